@@ -1,0 +1,262 @@
+"""Adapter contract and the shared implementation for per-expert checkpoints.
+
+An adapter owns every quirk of one ``model_type``: which decoder layers carry an MoE block, the exact
+on-disk tensor names and shapes, and the routing semantics. It converts between those tensors and the
+canonical :class:`~moecompress.ir.MoELayer`; nothing else in moecompress knows a tensor name.
+
+Two on-disk forms are read:
+
+- **hub** (the Hub's original names): ``<block>.experts.<e>.<gate|up|down>.weight``, written by
+  ``save_pretrained`` by default and by every released checkpoint;
+- **fused** (transformers 5 in-memory names, ``save_pretrained(save_original_format=False)``):
+  ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj``
+  ``[E, H, I]``.
+
+Writing uses the hub form unless ``fused=True`` is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+import torch
+
+from moecompress.errors import AdapterError, LayoutError
+from moecompress.ir import ExpertBank, MoELayer, RouterSpec
+from moecompress.layouts import Dense
+
+Fetch = Callable[[Iterable[str]], dict[str, torch.Tensor]]
+
+
+class Adapter:
+    """Base class: configuration queries shared by every architecture."""
+
+    model_type: ClassVar[str]
+    layers_prefix: ClassVar[str] = "model.layers"
+    count_key: ClassVar[str]
+    """config attribute holding the routed expert count (the spelling this model type writes)."""
+    width_key: ClassVar[str]
+    """config attribute holding the routed expert width."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise AdapterError(f"{self.model_type}: hidden_act={act!r} is not supported (only silu experts)")
+
+    # -- configuration ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def num_experts(self) -> int:
+        return int(getattr(self.config, self.count_key))
+
+    @property
+    def expert_width(self) -> int:
+        return int(getattr(self.config, self.width_key))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return 0 <= i < self.num_layers
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def router_spec(self) -> RouterSpec:
+        raise NotImplementedError
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.layers_prefix}.{i}."
+
+    # -- tensors (implemented by subclasses) -----------------------------------------------------
+    def expected_tensors(self, i: int, keys: Iterable[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
+        """``(block_prefix, {key: shape})``: what MoE layer ``i`` must hold in the form found in ``keys``."""
+        raise NotImplementedError
+
+    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+        raise NotImplementedError
+
+    def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+        """On-disk tensors of a canonical layer (hub names unless ``fused``)."""
+        raise NotImplementedError
+
+    # -- driving ---------------------------------------------------------------------------------
+    def check_layer(self, i: int, keys: Iterable[str], shape_of: Callable[[str], tuple[int, ...]]) -> list[str]:
+        """Validate names and shapes of MoE layer ``i`` from headers only; returns the keys it owns."""
+        keys = list(keys)
+        prefix, expected = self.expected_tensors(i, keys)
+        present = set(keys)
+        for key, shape in expected.items():
+            if key not in present:
+                raise AdapterError(
+                    f"{self.model_type} layer {i}: missing tensor {key!r} (expected shape {list(shape)})"
+                )
+            got = tuple(shape_of(key))
+            if got != tuple(shape):
+                raise AdapterError(
+                    f"{self.model_type} layer {i}: tensor {key!r} has shape {list(got)}, expected {list(shape)} "
+                    "from config.json"
+                )
+        extra = sorted(k for k in keys if k.startswith(prefix) and k not in expected)
+        if extra:
+            hint = " (quantized checkpoints must be dequantized first)" if any(
+                s in extra[0] for s in ("scale", "blocks", "qweight", "zeros")
+            ) else ""
+            raise AdapterError(
+                f"{self.model_type} layer {i}: tensor {extra[0]!r} is not understood by the adapter{hint}"
+            )
+        return list(expected)
+
+    def read_layer(self, i: int, keys: Iterable[str], fetch: Fetch) -> MoELayer:
+        if not self.is_moe_layer(i):
+            raise AdapterError(
+                f"{self.model_type}: layer {i} is not an MoE layer; MoE layers are {self.moe_layer_indices}"
+            )
+        keys = list(keys)
+        _, expected = self.expected_tensors(i, keys)
+        t = fetch(expected)
+        for key, shape in expected.items():
+            if tuple(t[key].shape) != tuple(shape):
+                raise AdapterError(f"{self.model_type} layer {i}: {key!r} shape {list(t[key].shape)} != {list(shape)}")
+        return self.build_layer(i, t, self.detect_format(i, keys))
+
+    def detect_format(self, i: int, keys: Iterable[str]) -> str:
+        return "hub"
+
+
+def dense3(layout, what: str):
+    """The ``[E, out, in]`` tensor of a Dense layout, or a LayoutError naming what cannot be written."""
+    if not isinstance(layout, Dense):
+        raise LayoutError(
+            f"{what} uses the {layout.kind!r} layout, which has no stock on-disk form; "
+            "write it with the moecompress format instead"
+        )
+    return layout.weight
+
+
+def require_stock(layer: MoELayer, model_type: str) -> None:
+    """Raise unless ``layer`` can be written with the architecture's own tensor names."""
+    if layer.expert_map is not None:
+        raise LayoutError(f"{model_type} layer {layer.index}: an expert_map (merged experts) is not stock")
+    for name, bank in (("experts", layer.experts), ("shared", layer.shared)):
+        if bank is not None and bank.widths is not None and bool((bank.widths != bank.width).any()):
+            raise LayoutError(f"{model_type} layer {layer.index}: ragged {name} widths are not stock")
+
+
+class PerExpertAdapter(Adapter):
+    """Architectures whose Hub checkpoints store one tensor per expert and projection."""
+
+    disk_block: ClassVar[str] = "mlp"
+    fused_block: ClassVar[str] = "mlp"
+    proj: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    disk_router: ClassVar[str] = "gate"
+    fused_router: ClassVar[str] = "gate"
+    shared_name: ClassVar[str | None] = None
+    shared_gate_name: ClassVar[str | None] = None
+    has_score_bias: ClassVar[bool] = False
+
+    @property
+    def shared_width(self) -> int:
+        raise NotImplementedError
+
+    def detect_format(self, i: int, keys: Iterable[str]) -> str:
+        fused_key = f"{self.layer_prefix(i)}{self.fused_block}.experts.gate_up_proj"
+        return "fused" if fused_key in set(keys) else "hub"
+
+    def _names(self, i: int, fmt: str) -> tuple[str, str]:
+        block = self.fused_block if fmt == "fused" else self.disk_block
+        router = self.fused_router if fmt == "fused" else self.disk_router
+        return f"{self.layer_prefix(i)}{block}", router
+
+    def _expected(self, i: int, fmt: str) -> tuple[str, dict[str, tuple[int, ...]]]:
+        e, n, h = self.num_experts, self.expert_width, self.hidden_size
+        p, router = self._names(i, fmt)
+        out: dict[str, tuple[int, ...]] = {f"{p}.{router}.weight": (e, h)}
+        if self.has_score_bias:
+            out[f"{p}.{router}.e_score_correction_bias"] = (e,)
+        g, u, d = self.proj
+        if fmt == "fused":
+            out[f"{p}.experts.gate_up_proj"] = (e, 2 * n, h)
+            out[f"{p}.experts.down_proj"] = (e, h, n)
+        else:
+            for x in range(e):
+                out[f"{p}.experts.{x}.{g}.weight"] = (n, h)
+                out[f"{p}.experts.{x}.{u}.weight"] = (n, h)
+                out[f"{p}.experts.{x}.{d}.weight"] = (h, n)
+        if self.shared_name:
+            s = self.shared_width
+            out[f"{p}.{self.shared_name}.gate_proj.weight"] = (s, h)
+            out[f"{p}.{self.shared_name}.up_proj.weight"] = (s, h)
+            out[f"{p}.{self.shared_name}.down_proj.weight"] = (h, s)
+        if self.shared_gate_name:
+            out[f"{p}.{self.shared_gate_name}.weight"] = (1, h)
+        return p + ".", out
+
+    def expected_tensors(self, i: int, keys: Iterable[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
+        return self._expected(i, self.detect_format(i, keys))
+
+    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+        p, router = self._names(i, fmt)
+        g, u, d = self.proj
+        n = self.expert_width
+        if fmt == "fused":
+            gu = t.pop(f"{p}.experts.gate_up_proj")
+            gate, up = gu[:, :n].contiguous(), gu[:, n:].contiguous()
+            del gu
+            down = t.pop(f"{p}.experts.down_proj")
+        else:
+            def stack(name: str) -> torch.Tensor:
+                return torch.stack([t.pop(f"{p}.experts.{x}.{name}.weight") for x in range(self.num_experts)])
+
+            gate, up, down = stack(g), stack(u), stack(d)
+        shared = None
+        if self.shared_name:
+            s = f"{p}.{self.shared_name}"
+            shared = ExpertBank(*(Dense(t.pop(f"{s}.{q}.weight")[None]) for q in ("gate_proj", "up_proj", "down_proj")))
+        return MoELayer(
+            index=i,
+            router=self.router_spec(),
+            router_weight=t.pop(f"{p}.{router}.weight"),
+            experts=ExpertBank(Dense(gate), Dense(up), Dense(down)),
+            score_bias=t.pop(f"{p}.{router}.e_score_correction_bias") if self.has_score_bias else None,
+            shared=shared,
+            shared_gate=t.pop(f"{p}.{self.shared_gate_name}.weight") if self.shared_gate_name else None,
+        )
+
+    def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+        require_stock(layer, self.model_type)
+        p, router = self._names(layer.index, "fused" if fused else "hub")
+        g, u, d = self.proj
+        bank = layer.experts
+        gate = dense3(bank.gate, f"layer {layer.index} gate")
+        up = dense3(bank.up, f"layer {layer.index} up")
+        down = dense3(bank.down, f"layer {layer.index} down")
+        out: dict[str, torch.Tensor] = {f"{p}.{router}.weight": layer.router_weight}
+        if self.has_score_bias:
+            if layer.score_bias is None:
+                raise LayoutError(f"{self.model_type} layer {layer.index}: score_bias is required")
+            out[f"{p}.{router}.e_score_correction_bias"] = layer.score_bias
+        if fused:
+            out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+            out[f"{p}.experts.down_proj"] = down
+        else:
+            for x in range(bank.num_experts):
+                out[f"{p}.experts.{x}.{g}.weight"] = gate[x].clone()
+                out[f"{p}.experts.{x}.{u}.weight"] = up[x].clone()
+                out[f"{p}.experts.{x}.{d}.weight"] = down[x].clone()
+        if self.shared_name:
+            if layer.shared is None:
+                raise LayoutError(f"{self.model_type} layer {layer.index}: the shared expert is required")
+            s = f"{p}.{self.shared_name}"
+            for q, lay in zip(("gate_proj", "up_proj", "down_proj"), (layer.shared.gate, layer.shared.up, layer.shared.down)):
+                out[f"{s}.{q}.weight"] = dense3(lay, f"layer {layer.index} shared {q}")[0].clone()
+        if self.shared_gate_name:
+            out[f"{p}.{self.shared_gate_name}.weight"] = layer.shared_gate
+        return out

@@ -1,0 +1,91 @@
+"""GPT-OSS: experts are fused on disk in ``x @ W`` orientation with *interleaved* gate/up columns:
+``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` (gate = columns 0::2, up = 1::2) with
+``gate_up_proj_bias`` ``[E, 2I]``, ``mlp.experts.down_proj`` ``[E, I, H]`` with ``down_proj_bias``
+``[E, H]``; router ``mlp.router.weight`` + ``mlp.router.bias``. Routing: top-k of the logits, softmax
+over the k. Activation: clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``). The released MXFP4
+checkpoints (``*_blocks``/``*_scales``) must be dequantized first; the adapter reports them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from moecompress.adapters.base import Adapter, dense3, require_stock
+from moecompress.errors import LayoutError
+from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
+from moecompress.layouts import Dense
+
+
+class GptOssAdapter(Adapter):
+    model_type = "gpt_oss"
+    count_key = "num_local_experts"
+    width_key = "intermediate_size"
+
+    def router_spec(self) -> RouterSpec:
+        return RouterSpec(
+            num_experts=self.num_experts, top_k=int(self.config.num_experts_per_tok), gating=Gating.TOPK_SOFTMAX
+        )
+
+    def _p(self, i: int) -> str:
+        return f"{self.layer_prefix(i)}mlp"
+
+    def expected_tensors(self, i: int, keys: Iterable[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
+        e, n, h, p = self.num_experts, self.expert_width, self.hidden_size, self._p(i)
+        return p + ".", {
+            f"{p}.router.weight": (e, h),
+            f"{p}.router.bias": (e,),
+            f"{p}.experts.gate_up_proj": (e, h, 2 * n),
+            f"{p}.experts.gate_up_proj_bias": (e, 2 * n),
+            f"{p}.experts.down_proj": (e, n, h),
+            f"{p}.experts.down_proj_bias": (e, h),
+        }
+
+    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+        p = self._p(i)
+        gu = t.pop(f"{p}.experts.gate_up_proj")
+        gu_b = t.pop(f"{p}.experts.gate_up_proj_bias")
+        bank = ExpertBank(
+            gate=Dense(gu[..., 0::2].transpose(1, 2).contiguous()),
+            up=Dense(gu[..., 1::2].transpose(1, 2).contiguous()),
+            down=Dense(t.pop(f"{p}.experts.down_proj").transpose(1, 2).contiguous()),
+            biases={
+                "gate": gu_b[:, 0::2].contiguous(),
+                "up": gu_b[:, 1::2].contiguous(),
+                "down": t.pop(f"{p}.experts.down_proj_bias"),
+            },
+            act=Act.SWIGLU_CLAMPED,
+            alpha=float(self.config.swiglu_alpha),
+            limit=float(self.config.swiglu_limit),
+        )
+        return MoELayer(
+            index=i,
+            router=self.router_spec(),
+            router_weight=t.pop(f"{p}.router.weight"),
+            router_bias=t.pop(f"{p}.router.bias"),
+            experts=bank,
+        )
+
+    def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+        # GPT-OSS's original format *is* fused, so ``fused`` changes nothing.
+        require_stock(layer, self.model_type)
+        bank, p = layer.experts, self._p(layer.index)
+        if layer.router_bias is None or set(bank.biases) != {"gate", "up", "down"}:
+            raise LayoutError(f"gpt_oss layer {layer.index}: router bias and gate/up/down biases are required")
+        gate = dense3(bank.gate, f"layer {layer.index} gate")
+        up = dense3(bank.up, f"layer {layer.index} up")
+        e, n, h = gate.shape
+        gu = gate.new_empty(e, h, 2 * n)
+        gu[..., 0::2] = gate.transpose(1, 2)
+        gu[..., 1::2] = up.transpose(1, 2)
+        gu_b = bank.biases["gate"].new_empty(e, 2 * n)
+        gu_b[:, 0::2] = bank.biases["gate"]
+        gu_b[:, 1::2] = bank.biases["up"]
+        return {
+            f"{p}.router.weight": layer.router_weight,
+            f"{p}.router.bias": layer.router_bias,
+            f"{p}.experts.gate_up_proj": gu,
+            f"{p}.experts.gate_up_proj_bias": gu_b,
+            f"{p}.experts.down_proj": dense3(bank.down, f"layer {layer.index} down").transpose(1, 2).contiguous(),
+            f"{p}.experts.down_proj_bias": bank.biases["down"],
+        }

@@ -1,0 +1,94 @@
+"""Command line: ``moecompress <command> ...``. Argument parsing only; the work is in the public API.
+
+Every :class:`~moecompress.errors.MoecompressError` is printed as one line (``error: ...``) with exit
+status 2 and no traceback. Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from moecompress.errors import MoecompressError
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from moecompress.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(args.model)
+    info = {
+        "path": str(ckpt.path),
+        "model_type": ckpt.model_type,
+        "num_layers": ckpt.adapter.num_layers,
+        "moe_layers": ckpt.moe_layer_indices,
+        "num_experts": ckpt.adapter.num_experts,
+        "expert_width": ckpt.adapter.expert_width,
+        "router": ckpt.adapter.router_spec().gating.value,
+        "top_k": ckpt.adapter.router_spec().top_k,
+        "shards": ckpt.reader.shards,
+        "tensors": len(ckpt.reader.keys),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _cmd_rewrite(args: argparse.Namespace) -> int:
+    from moecompress.io.checkpoint import rewrite_checkpoint
+
+    out = rewrite_checkpoint(
+        args.model,
+        args.output,
+        fused=args.fused,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(out)
+    return 0
+
+
+def _size(text: str) -> int:
+    from moecompress.io.writer import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moecompress", description="Compress Mixture-of-Experts checkpoints.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="describe a checkpoint: model type, MoE layers, experts, shards")
+    info.add_argument("model", help="checkpoint directory or Hub repo id")
+    info.set_defaults(func=_cmd_info)
+
+    rw = sub.add_parser("rewrite", help="stream a checkpoint into a new directory, layer by layer (lossless)")
+    rw.add_argument("model", help="checkpoint directory or Hub repo id")
+    rw.add_argument("output", help="output directory (must not exist unless --overwrite)")
+    rw.add_argument("--fused", action="store_true", help="write transformers 5 fused expert keys")
+    rw.add_argument("--max-shard-size", type=_size, default="5GB", help="shard size limit, e.g. 5GB or 500MiB")
+    rw.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    rw.set_defaults(func=_cmd_rewrite)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.INFO if args.verbose or os.environ.get("MOECOMPRESS_VERBOSE") else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except MoecompressError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

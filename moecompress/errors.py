@@ -1,0 +1,29 @@
+"""Typed errors. Every message names the thing that is wrong (file, key, step, field) and the fix.
+
+The CLI prints ``str(err)`` on one line and exits with status 2 for any ``MoecompressError``;
+tracebacks are reserved for bugs.
+"""
+
+from __future__ import annotations
+
+
+class MoecompressError(Exception):
+    """Base class of every error moecompress raises on bad input."""
+
+    exit_code = 2
+
+
+class CheckpointError(MoecompressError):
+    """A checkpoint directory, shard or index is missing, unreadable or inconsistent."""
+
+
+class AdapterError(MoecompressError):
+    """A checkpoint does not match what the adapter of its ``model_type`` expects."""
+
+
+class LayoutError(MoecompressError):
+    """A weight layout cannot do what was asked (write as stock, wrong shapes, ...)."""
+
+
+class OutputExistsError(MoecompressError):
+    """The output directory exists and overwriting was not requested."""

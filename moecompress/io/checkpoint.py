@@ -1,0 +1,142 @@
+"""``open_checkpoint``: a checkpoint directory seen through its adapter, read one layer at a time.
+
+``open_checkpoint`` validates everything it can from ``config.json`` and the shard headers (model type,
+shard integrity, every MoE tensor's name and shape) before any weight is read, so bad input fails
+fast with one line naming the file or key. ``rewrite_checkpoint`` streams a checkpoint layer by layer
+into a new directory, optionally transforming each MoE layer; it is the lossless round trip that the
+recipe executor builds on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from moecompress.adapters import Adapter, adapter_class
+from moecompress.errors import CheckpointError
+from moecompress.io.hub import resolve_checkpoint_dir
+from moecompress.io.reader import INDEX_NAME, ShardReader
+from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
+from moecompress.ir import MoELayer
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint directory. Nothing but headers has been read."""
+
+    path: Path
+    raw_config: dict
+    config: object
+    adapter: Adapter
+    reader: ShardReader
+    _moe_keys: dict[int, list[str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return self.adapter.model_type
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        return self.adapter.moe_layer_indices
+
+    def read_layer(self, i: int) -> MoELayer:
+        """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
+        return self.adapter.read_layer(i, self.reader.keys, self.reader.get_many)
+
+    def moe_keys(self, i: int) -> list[str]:
+        """On-disk tensor names owned by the MoE block of layer ``i``."""
+        return list(self._moe_keys.get(i, []))
+
+    def key_groups(self) -> list[tuple[int | None, list[str]]]:
+        """Tensor names grouped by decoder layer (``None``: outside the decoder layers), in layer order."""
+        pat = re.compile(rf"^{re.escape(self.adapter.layers_prefix)}\.(\d+)\.")
+        groups: dict[int | None, list[str]] = {None: []}
+        for key in self.reader.keys:
+            m = pat.match(key)
+            groups.setdefault(int(m.group(1)) if m else None, []).append(key)
+        order = [None] + sorted(k for k in groups if k is not None)
+        return [(k, groups[k]) for k in order if groups[k]]
+
+    def non_weight_files(self) -> list[Path]:
+        """Tokenizer, configs and other files to copy next to rewritten weights (never weights)."""
+        out = []
+        for p in sorted(self.path.iterdir()):
+            if p.is_file() and not p.name.startswith(".") and p.name != INDEX_NAME and not p.name.endswith(WEIGHT_SUFFIXES):
+                out.append(p)
+        return out
+
+
+def open_checkpoint(path_or_id: str | Path, *, revision: str | None = None) -> Checkpoint:
+    """Open a local checkpoint directory or a Hub repo id (downloaded with ``huggingface_hub``)."""
+    path = resolve_checkpoint_dir(path_or_id, revision=revision)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object")
+    cls = adapter_class(raw.get("model_type"))
+    config = _load_config(path)
+    reader = ShardReader(path)
+    adapter = cls(config)
+    moe_keys = {i: adapter.check_layer(i, reader.keys, reader.shape) for i in adapter.moe_layer_indices}
+    return Checkpoint(path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys)
+
+
+def _load_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path / 'config.json'}: transformers cannot parse it ({first})") from None
+
+
+def rewrite_checkpoint(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    fn: Callable[[MoELayer], MoELayer] | None = None,
+    *,
+    fused: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Stream ``src`` into ``dst`` one decoder layer at a time, passing every MoE layer through ``fn``.
+
+    With ``fn=None`` the output holds byte-identical tensors (in the Hub's per-expert names unless
+    ``fused``). Non-weight files (tokenizer, configs) are copied. The output appears atomically.
+    """
+    check_output_dir(dst, overwrite)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    moe = set(ckpt.moe_layer_indices)
+    groups = ckpt.key_groups()
+    with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
+        for idx, keys in tqdm(groups, desc="layers", unit="layer", disable=not progress):
+            owned: set[str] = set()
+            if idx in moe:
+                layer = ckpt.read_layer(idx)
+                if fn is not None:
+                    layer = fn(layer)
+                writer.add_many(ckpt.adapter.layer_tensors(layer, fused=fused))
+                owned = set(ckpt.moe_keys(idx))
+                del layer
+            rest = [k for k in keys if k not in owned]
+            writer.add_many(ckpt.reader.get_many(rest))
+        for f in ckpt.non_weight_files():
+            writer.copy_file(f)
+        return writer.commit()

@@ -1,0 +1,39 @@
+"""Resolve a checkpoint argument: a local directory, or a Hugging Face Hub repo id.
+
+Only safetensors weights, JSON configs and tokenizer files are downloaded; pickle weights
+(``*.bin``, ``*.pt``) and remote code are never fetched.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from moecompress.errors import CheckpointError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.md"]
+
+
+def resolve_checkpoint_dir(path_or_id: str | Path, *, revision: str | None = None) -> Path:
+    """Return a local directory for ``path_or_id``, downloading a Hub snapshot if needed."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a file; pass the checkpoint *directory* (with config.json)")
+        return path
+    text = str(path_or_id)
+    if not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id=text, revision=revision, allow_patterns=ALLOW_PATTERNS)
+    except Exception as err:  # offline, unknown repo, gated repo, auth: all end the same way for the user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{text!r} is not a local directory and could not be downloaded from the Hugging Face Hub "
+            f"({type(err).__name__}: {reason}). Pass a local checkpoint directory, or check the repo id, "
+            "your network and HF_TOKEN."
+        ) from None
+    return Path(local)

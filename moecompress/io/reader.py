@@ -1,0 +1,147 @@
+"""Streaming reader for safetensors checkpoints (one file or sharded with an index).
+
+Opening a checkpoint reads only shard *headers* (names, shapes, dtypes), validating every shard, so a
+truncated or corrupt file is reported before any work starts. Tensors are read on demand with
+``safe_open``; each call opens the shards it needs and closes them again, so no memory map stays
+resident between layers and the whole model is never in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moecompress.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+
+
+class ShardReader:
+    """Index of every tensor of a checkpoint directory, and on-demand reads."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._shard_of: dict[str, str] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        self._dtype: dict[str, str] = {}
+        for shard, names in self._shards_from_index().items():
+            self._scan_shard(shard, names)
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _shards_from_index(self) -> dict[str, set[str] | None]:
+        """Shard file -> tensor names the index promises (``None``: no index, take what is there)."""
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(
+                    f"{index}: not a valid safetensors index ({err}); it must hold a 'weight_map' object"
+                ) from None
+            shards: dict[str, set[str] | None] = {}
+            for name, shard in weight_map.items():
+                shards.setdefault(shard, set()).add(name)  # type: ignore[union-attr]
+            return shards
+        if (self.directory / SINGLE_NAME).is_file():
+            return {SINGLE_NAME: None}
+        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if len(found) == 1:
+            return {found[0]: None}
+        pickles = [n for n in PICKLE_WEIGHTS if (self.directory / n).exists()]
+        if pickles:
+            raise CheckpointError(
+                f"{self.directory}: only pickle weights ({', '.join(pickles)}); moecompress never unpickles. "
+                "Convert the checkpoint to safetensors first (e.g. load it yourself and save_pretrained)."
+            )
+        raise CheckpointError(
+            f"{self.directory}: no {SINGLE_NAME} and no {INDEX_NAME}"
+            + (f" (found {len(found)} loose .safetensors files without an index)" if found else "")
+        )
+
+    def _scan_shard(self, shard: str, promised: set[str] | None) -> None:
+        path = self.directory / shard
+        if not path.is_file():
+            raise CheckpointError(f"missing shard {path} (listed in {INDEX_NAME}); re-download the checkpoint")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+                for name in names:
+                    sl = f.get_slice(name)
+                    self._shape[name] = tuple(int(d) for d in sl.get_shape())
+                    self._dtype[name] = sl.get_dtype()
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(
+                f"corrupt or truncated shard {path}: {err}; re-download or re-save this file"
+            ) from None
+        if promised is not None:
+            missing = sorted(promised - set(names))
+            if missing:
+                raise CheckpointError(
+                    f"shard {path} lacks {len(missing)} tensor(s) its index lists, e.g. {missing[0]!r}"
+                )
+        for name in names:
+            if name in self._shard_of and self._shard_of[name] != shard:
+                raise CheckpointError(f"tensor {name!r} is stored twice: {self._shard_of[name]} and {shard}")
+            if promised is None or name in promised:
+                self._shard_of[name] = shard
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def keys(self) -> list[str]:
+        """Every tensor name, in index order."""
+        return list(self._shard_of)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shard_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[self._require(name)]
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype string (``"F32"``, ``"BF16"``, ...)."""
+        return self._dtype[self._require(name)]
+
+    def nbytes(self, name: str) -> int:
+        size = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
+        n = 1
+        for d in self.shape(name):
+            n *= d
+        return n * size.get(self.dtype(name), 1)
+
+    @property
+    def shards(self) -> list[str]:
+        return sorted(set(self._shard_of.values()))
+
+    def _require(self, name: str) -> str:
+        if name not in self._shard_of:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+        return name
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read the named tensors, opening each shard once and closing it afterwards."""
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(self._shard_of[self._require(name)], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for shard, shard_names in by_shard.items():
+            path = self.directory / shard
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in shard_names:
+                        out[name] = f.get_tensor(name)
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"cannot read from shard {path}: {err}") from None
+        return out

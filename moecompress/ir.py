@@ -1,0 +1,208 @@
+"""The canonical MoE layer: one description for every supported architecture.
+
+Adapters translate on-disk tensors into these frozen dataclasses and back; passes and the reference
+forward only ever see this form, so compute code has no architecture branches. Conventions:
+
+- Expert weights use HF ``nn.Linear`` orientation: gate and up ``[E, I, H]``, down ``[E, H, I]``;
+  gate and up are always split (GPT-OSS's interleaved columns are separated by its adapter).
+- Routing semantics are data (:class:`RouterSpec`), not code paths chosen by model name.
+- Passes never mutate a layer: they return ``dataclasses.replace(layer, ...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from moecompress.errors import LayoutError
+from moecompress.layouts import Layout
+
+
+class Gating(str, Enum):
+    """How router logits become the top-k expert ids and their weights."""
+
+    SOFTMAX_TOPK = "softmax_topk"
+    """softmax over all experts, top-k of the probabilities (renormalised iff ``norm_topk``):
+    Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2."""
+    TOPK_SOFTMAX = "topk_softmax"
+    """top-k of the logits, softmax over the k selected logits: GPT-OSS."""
+    SIGMOID = "sigmoid"
+    """sigmoid scores; selection on scores + ``score_bias``; weights are the unbiased scores
+    (renormalised iff ``norm_topk``): DeepSeek-V3."""
+    SPARSEMIXER = "sparsemixer"
+    """PhiMoE's SparseMixer at inference: two sequential argmax picks, each weighted by a softmax over
+    the logits within a relative margin ``2 * jitter_eps`` of the pick."""
+
+
+class GroupScore(str, Enum):
+    """How a group of experts is scored for group-limited top-k."""
+
+    MAX = "max"
+    """best expert score in the group (DeepSeek-V2 ``group_limited_greedy``)."""
+    TOP2_SUM = "top2_sum"
+    """sum of the two best biased scores in the group (DeepSeek-V3 ``noaux_tc``)."""
+
+
+class Act(str, Enum):
+    """The gated activation of an expert: ``down(act(gate x) * up x)``."""
+
+    SWIGLU = "swiglu"
+    """``silu(g) * u``."""
+    SWIGLU_CLAMPED = "swiglu_clamped"
+    """GPT-OSS: ``g = min(g, limit)``, ``u = clamp(u, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha g)``."""
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Routing semantics of one MoE layer."""
+
+    num_experts: int
+    top_k: int
+    gating: Gating
+    norm_topk: bool = False
+    routed_scale: float = 1.0
+    n_group: int | None = None
+    topk_group: int | None = None
+    group_score: GroupScore | None = None
+    jitter_eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise LayoutError(f"router top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.n_group is not None:
+            if self.topk_group is None or self.group_score is None:
+                raise LayoutError("group-limited routing needs n_group, topk_group and group_score")
+            if self.num_experts % self.n_group:
+                raise LayoutError(
+                    f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}"
+                )
+            reachable = self.topk_group * (self.num_experts // self.n_group)
+            if not 1 <= self.topk_group <= self.n_group or self.top_k > reachable:
+                raise LayoutError(
+                    f"top_k={self.top_k} cannot be met: topk_group={self.topk_group} of n_group="
+                    f"{self.n_group} groups reach only {reachable} experts"
+                )
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertBank:
+    """A bank of SwiGLU experts. ``gate``/``up``: logical ``[E, I, H]``; ``down``: ``[E, H, I]``.
+
+    ``widths[e]`` (optional) is the live intermediate width of expert ``e``: only its first
+    ``widths[e]`` gate/up rows and down columns take part in the forward. ``biases`` may hold
+    ``"gate"``/``"up"`` ``[E, I]`` and ``"down"`` ``[E, H]`` (GPT-OSS).
+    """
+
+    gate: Layout
+    up: Layout
+    down: Layout
+    widths: torch.Tensor | None = None
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    act: Act = Act.SWIGLU
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        e, i, h = self.gate.shape
+        if self.up.shape != (e, i, h):
+            raise LayoutError(f"up shape {self.up.shape} != gate shape {(e, i, h)}")
+        if self.down.shape != (e, h, i):
+            raise LayoutError(f"down shape {self.down.shape} != expected {(e, h, i)}")
+        if self.widths is not None and tuple(self.widths.shape) != (e,):
+            raise LayoutError(f"widths must have shape ({e},), got {tuple(self.widths.shape)}")
+        expect = {"gate": (e, i), "up": (e, i), "down": (e, h)}
+        for name, b in self.biases.items():
+            if name not in expect or tuple(b.shape) != expect[name]:
+                raise LayoutError(f"bias {name!r} of shape {tuple(b.shape)}; expected one of {expect}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate.shape[2]
+
+    @property
+    def width(self) -> int:
+        """Full (allocated) intermediate width."""
+        return self.gate.shape[1]
+
+    def width_of(self, e: int) -> int:
+        return self.width if self.widths is None else int(self.widths[e])
+
+    def num_params(self) -> int:
+        n = self.gate.num_params() + self.up.num_params() + self.down.num_params()
+        return n + sum(b.numel() for b in self.biases.values())
+
+
+@dataclass(frozen=True, eq=False)
+class MoELayer:
+    """One MoE block.
+
+    - ``router_weight`` ``[E, H]`` (+ ``router_bias`` ``[E]`` for GPT-OSS) gives the logits;
+      ``score_bias`` ``[E]`` is DeepSeek-V3's selection-only ``e_score_correction_bias``.
+    - ``experts`` is the routed bank; ``shared`` an always-on bank (DeepSeek's ``n_shared_experts``
+      are one shared expert of width ``n * I``, as transformers stores them), multiplied by
+      ``sigmoid(shared_gate @ x)`` when ``shared_gate`` ``[1, H]`` is set (Qwen2-MoE).
+    - ``expert_map`` ``[E]`` maps logical (router) expert ids to physical experts of the bank (after
+      merging); ``None`` means identity.
+    - ``protected`` holds logical expert ids that no pass may modify (super experts).
+    """
+
+    index: int
+    router: RouterSpec
+    router_weight: torch.Tensor
+    experts: ExpertBank
+    router_bias: torch.Tensor | None = None
+    score_bias: torch.Tensor | None = None
+    shared: ExpertBank | None = None
+    shared_gate: torch.Tensor | None = None
+    expert_map: torch.Tensor | None = None
+    protected: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        e, h = self.router.num_experts, self.experts.hidden_size
+        if tuple(self.router_weight.shape) != (e, h):
+            raise LayoutError(f"layer {self.index}: router weight {tuple(self.router_weight.shape)} != {(e, h)}")
+        for name in ("router_bias", "score_bias"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (e,):
+                raise LayoutError(f"layer {self.index}: {name} shape {tuple(t.shape)} != ({e},)")
+        if self.expert_map is None and self.experts.num_experts != e:
+            raise LayoutError(
+                f"layer {self.index}: {self.experts.num_experts} physical experts but {e} router rows "
+                "and no expert_map"
+            )
+        if self.expert_map is not None:
+            m = self.expert_map
+            bad_range = m.device.type != "meta" and (
+                int(m.min()) < 0 or int(m.max()) >= self.experts.num_experts
+            )
+            if tuple(m.shape) != (e,) or bad_range:
+                raise LayoutError(f"layer {self.index}: expert_map must map {e} ids into the physical bank")
+        if self.shared_gate is not None and (self.shared is None or tuple(self.shared_gate.shape) != (1, h)):
+            raise LayoutError(f"layer {self.index}: shared_gate needs a shared bank and shape (1, {h})")
+        if any(not 0 <= p < e for p in self.protected):
+            raise LayoutError(f"layer {self.index}: protected ids {sorted(self.protected)} out of [0, {e})")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.experts.hidden_size
+
+    def physical(self, logical: int) -> int:
+        """Physical expert that logical expert ``logical`` runs."""
+        return logical if self.expert_map is None else int(self.expert_map[logical])
+
+    def num_params(self) -> int:
+        n = self.router_weight.numel() + self.experts.num_params()
+        for t in (self.router_bias, self.score_bias, self.shared_gate):
+            n += 0 if t is None else t.numel()
+        return n + (0 if self.shared is None else self.shared.num_params())
+
+    def replace(self, **changes) -> MoELayer:
+        """``dataclasses.replace`` as a method, for readability in passes."""
+        return dataclasses.replace(self, **changes)

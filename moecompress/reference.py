@@ -1,0 +1,123 @@
+"""Reference forward of a canonical :class:`~moecompress.ir.MoELayer`: plain, readable PyTorch.
+
+This is the oracle every other number in the project is checked against. It must equal the
+transformers MoE block of each supported architecture (fp32, relative error <= 1e-5, see
+``tests/test_adapters_forward.py``) and it is correct for every layout because it only uses the
+:class:`~moecompress.layouts.Layout` interface. Speed is not a goal here; kernels are.
+
+Routing is computed in fp32 (as the transformers routers do); expert matmuls run in the weights'
+dtype; the weighted sum is accumulated in fp32 and cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
+
+
+def router_logits(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Router logits ``[T, E]`` in fp32."""
+    bias = None if layer.router_bias is None else layer.router_bias.float()
+    return F.linear(x.float(), layer.router_weight.float(), bias)
+
+
+def _group_limit(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """Keep only the experts of the ``topk_group`` best groups (others become -inf)."""
+    if spec.n_group is None:
+        return choice
+    t, e = choice.shape
+    grouped = choice.view(t, spec.n_group, e // spec.n_group)
+    if spec.group_score is GroupScore.TOP2_SUM:
+        group_scores = grouped.topk(min(2, e // spec.n_group), dim=-1).values.sum(-1)
+    else:
+        group_scores = grouped.max(dim=-1).values
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)
+    mask = keep.unsqueeze(-1).expand_as(grouped).reshape(t, e)
+    return choice.masked_fill(~mask, float("-inf"))
+
+
+def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's SparseMixer (inference branch): two picks, each weighted by a masked softmax."""
+    ids, weights = [], []
+    masked = logits
+    for _ in range(2):
+        best, pick = masked.max(dim=-1, keepdim=True)
+        factor = logits.abs().clamp(min=best)
+        outside = (best - logits) / factor > 2 * eps
+        w = masked.masked_fill(outside, float("-inf")).softmax(dim=-1).gather(-1, pick)
+        ids.append(pick)
+        weights.append(w)
+        masked = masked.scatter(-1, pick, float("-inf"))
+    return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)
+
+
+def route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: returns ``(ids [T, k] int64 logical expert ids, weights [T, k] fp32)``."""
+    spec = layer.router
+    logits = router_logits(layer, x)
+    if spec.gating is Gating.SPARSEMIXER:
+        ids, w = _sparsemixer(logits, spec.jitter_eps)
+        return ids, w * spec.routed_scale
+    if spec.gating is Gating.SOFTMAX_TOPK:
+        scores = logits.softmax(dim=-1)
+    elif spec.gating is Gating.SIGMOID:
+        scores = logits.sigmoid()
+    else:  # TOPK_SOFTMAX selects on raw logits
+        scores = logits
+    choice = scores if layer.score_bias is None else scores + layer.score_bias.float()
+    choice = _group_limit(choice, spec)
+    ids = choice.topk(spec.top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if spec.gating is Gating.TOPK_SOFTMAX:
+        w = w.softmax(dim=-1)
+    elif spec.norm_topk:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, w * spec.routed_scale
+
+
+def _act(bank: ExpertBank, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if bank.act is Act.SWIGLU_CLAMPED:
+        g = g.clamp(max=bank.limit)
+        u = u.clamp(min=-bank.limit, max=bank.limit)
+        return (u + 1) * (g * torch.sigmoid(g * bank.alpha))
+    return F.silu(g) * u
+
+
+def expert_forward(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Output ``[T, H]`` of physical expert ``e`` of ``bank`` on tokens ``x`` ``[T, H]`` (unweighted)."""
+    g = bank.gate.apply(x, e)
+    u = bank.up.apply(x, e)
+    if "gate" in bank.biases:
+        g = g + bank.biases["gate"][e]
+    if "up" in bank.biases:
+        u = u + bank.biases["up"][e]
+    h = _act(bank, g, u)
+    live = bank.width_of(e)
+    if live < bank.width:  # pruned neurons take no part in the forward
+        h = torch.cat([h[:, :live], h.new_zeros(h.shape[0], bank.width - live)], dim=1)
+    y = bank.down.apply(h, e)
+    if "down" in bank.biases:
+        y = y + bank.biases["down"][e]
+    return y
+
+
+def moe_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block's output for hidden states ``x`` of shape ``[T, H]``."""
+    if x.dim() != 2 or x.shape[1] != layer.hidden_size:
+        raise ValueError(f"moe_forward expects x of shape [T, {layer.hidden_size}], got {tuple(x.shape)}")
+    ids, weights = route(layer, x)
+    phys = ids if layer.expert_map is None else layer.expert_map.to(ids.device)[ids]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for p in torch.unique(phys).tolist():
+        tok, slot = torch.where(phys == p)
+        y = expert_forward(layer.experts, p, x[tok])
+        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+    if layer.shared is not None:
+        s = expert_forward(layer.shared, 0, x).float()
+        if layer.shared_gate is not None:
+            s = s * torch.sigmoid(F.linear(x.float(), layer.shared_gate.float()))
+        out += s
+    return out.to(x.dtype)

@@ -1,0 +1,2 @@
+"""Loading compressed checkpoints through transformers (quantizer registration); added with the
+compressed layouts."""
