@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("model", help="checkpoint directory or Hub repo id")
     rw.add_argument("output", help="output directory (must not exist unless --overwrite)")
     rw.add_argument("--fused", action="store_true", help="write transformers 5 fused expert keys")
-    rw.add_argument("--max-shard-size", type=_size, default="5GB", help="shard size limit, e.g. 5GB or 500MiB")
+    rw.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="shard size limit, e.g. 5GB or 500MiB"
+    )
     rw.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     rw.set_defaults(func=_cmd_rewrite)

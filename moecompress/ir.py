@@ -167,7 +167,9 @@ class MoELayer:
     def __post_init__(self) -> None:
         e, h = self.router.num_experts, self.experts.hidden_size
         if tuple(self.router_weight.shape) != (e, h):
-            raise LayoutError(f"layer {self.index}: router weight {tuple(self.router_weight.shape)} != {(e, h)}")
+            raise LayoutError(
+                f"layer {self.index}: router weight {tuple(self.router_weight.shape)} != {(e, h)}"
+            )
         for name in ("router_bias", "score_bias"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (e,):

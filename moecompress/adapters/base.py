@@ -88,7 +88,9 @@ class Adapter:
         raise NotImplementedError
 
     # -- driving ---------------------------------------------------------------------------------
-    def check_layer(self, i: int, keys: Iterable[str], shape_of: Callable[[str], tuple[int, ...]]) -> list[str]:
+    def check_layer(
+        self, i: int, keys: Iterable[str], shape_of: Callable[[str], tuple[int, ...]]
+    ) -> list[str]:
         """Validate names and shapes of MoE layer ``i`` from headers only; returns the keys it owns."""
         keys = list(keys)
         prefix, expected = self.expected_tensors(i, keys)
@@ -106,9 +108,11 @@ class Adapter:
                 )
         extra = sorted(k for k in keys if k.startswith(prefix) and k not in expected)
         if extra:
-            hint = " (quantized checkpoints must be dequantized first)" if any(
-                s in extra[0] for s in ("scale", "blocks", "qweight", "zeros")
-            ) else ""
+            hint = (
+                " (quantized checkpoints must be dequantized first)"
+                if any(s in extra[0] for s in ("scale", "blocks", "qweight", "zeros"))
+                else ""
+            )
             raise AdapterError(
                 f"{self.model_type} layer {i}: tensor {extra[0]!r} is not understood by the adapter{hint}"
             )
@@ -124,7 +128,9 @@ class Adapter:
         t = fetch(expected)
         for key, shape in expected.items():
             if tuple(t[key].shape) != tuple(shape):
-                raise AdapterError(f"{self.model_type} layer {i}: {key!r} shape {list(t[key].shape)} != {list(shape)}")
+                raise AdapterError(
+                    f"{self.model_type} layer {i}: {key!r} shape {list(t[key].shape)} != {list(shape)}"
+                )
         return self.build_layer(i, t, self.detect_format(i, keys))
 
     def detect_format(self, i: int, keys: Iterable[str]) -> str:
@@ -212,6 +218,7 @@ class PerExpertAdapter(Adapter):
             del gu
             down = t.pop(f"{p}.experts.down_proj")
         else:
+
             def stack(name: str) -> torch.Tensor:
                 return torch.stack([t.pop(f"{p}.experts.{x}.{name}.weight") for x in range(self.num_experts)])
 
@@ -219,7 +226,9 @@ class PerExpertAdapter(Adapter):
         shared = None
         if self.shared_name:
             s = f"{p}.{self.shared_name}"
-            shared = ExpertBank(*(Dense(t.pop(f"{s}.{q}.weight")[None]) for q in ("gate_proj", "up_proj", "down_proj")))
+            shared = ExpertBank(
+                *(Dense(t.pop(f"{s}.{q}.weight")[None]) for q in ("gate_proj", "up_proj", "down_proj"))
+            )
         return MoELayer(
             index=i,
             router=self.router_spec(),
@@ -255,7 +264,9 @@ class PerExpertAdapter(Adapter):
             if layer.shared is None:
                 raise LayoutError(f"{self.model_type} layer {layer.index}: the shared expert is required")
             s = f"{p}.{self.shared_name}"
-            for q, lay in zip(("gate_proj", "up_proj", "down_proj"), (layer.shared.gate, layer.shared.up, layer.shared.down)):
+            for q, lay in zip(
+                ("gate_proj", "up_proj", "down_proj"), (layer.shared.gate, layer.shared.up, layer.shared.down)
+            ):
                 out[f"{s}.{q}.weight"] = dense3(lay, f"layer {layer.index} shared {q}")[0].clone()
         if self.shared_gate_name:
             out[f"{p}.{self.shared_gate_name}.weight"] = layer.shared_gate

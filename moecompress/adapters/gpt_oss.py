@@ -24,7 +24,9 @@ class GptOssAdapter(Adapter):
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(
-            num_experts=self.num_experts, top_k=int(self.config.num_experts_per_tok), gating=Gating.TOPK_SOFTMAX
+            num_experts=self.num_experts,
+            top_k=int(self.config.num_experts_per_tok),
+            gating=Gating.TOPK_SOFTMAX,
         )
 
     def _p(self, i: int) -> str:
@@ -71,7 +73,9 @@ class GptOssAdapter(Adapter):
         require_stock(layer, self.model_type)
         bank, p = layer.experts, self._p(layer.index)
         if layer.router_bias is None or set(bank.biases) != {"gate", "up", "down"}:
-            raise LayoutError(f"gpt_oss layer {layer.index}: router bias and gate/up/down biases are required")
+            raise LayoutError(
+                f"gpt_oss layer {layer.index}: router bias and gate/up/down biases are required"
+            )
         gate = dense3(bank.gate, f"layer {layer.index} gate")
         up = dense3(bank.up, f"layer {layer.index} up")
         e, n, h = gate.shape
@@ -86,6 +90,8 @@ class GptOssAdapter(Adapter):
             f"{p}.router.bias": layer.router_bias,
             f"{p}.experts.gate_up_proj": gu,
             f"{p}.experts.gate_up_proj_bias": gu_b,
-            f"{p}.experts.down_proj": dense3(bank.down, f"layer {layer.index} down").transpose(1, 2).contiguous(),
+            f"{p}.experts.down_proj": dense3(bank.down, f"layer {layer.index} down")
+            .transpose(1, 2)
+            .contiguous(),
             f"{p}.experts.down_proj_bias": bank.biases["down"],
         }

@@ -64,14 +64,19 @@ class Checkpoint:
         for key in self.reader.keys:
             m = pat.match(key)
             groups.setdefault(int(m.group(1)) if m else None, []).append(key)
-        order = [None] + sorted(k for k in groups if k is not None)
+        order = [None, *sorted(k for k in groups if k is not None)]
         return [(k, groups[k]) for k in order if groups[k]]
 
     def non_weight_files(self) -> list[Path]:
         """Tokenizer, configs and other files to copy next to rewritten weights (never weights)."""
         out = []
         for p in sorted(self.path.iterdir()):
-            if p.is_file() and not p.name.startswith(".") and p.name != INDEX_NAME and not p.name.endswith(WEIGHT_SUFFIXES):
+            if (
+                p.is_file()
+                and not p.name.startswith(".")
+                and p.name != INDEX_NAME
+                and not p.name.endswith(WEIGHT_SUFFIXES)
+            ):
                 out.append(p)
         return out
 
@@ -93,7 +98,9 @@ def open_checkpoint(path_or_id: str | Path, *, revision: str | None = None) -> C
     reader = ShardReader(path)
     adapter = cls(config)
     moe_keys = {i: adapter.check_layer(i, reader.keys, reader.shape) for i in adapter.moe_layer_indices}
-    return Checkpoint(path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys)
+    return Checkpoint(
+        path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys
+    )
 
 
 def _load_config(path: Path):

@@ -70,7 +70,9 @@ class ShardReader:
     def _scan_shard(self, shard: str, promised: set[str] | None) -> None:
         path = self.directory / shard
         if not path.is_file():
-            raise CheckpointError(f"missing shard {path} (listed in {INDEX_NAME}); re-download the checkpoint")
+            raise CheckpointError(
+                f"missing shard {path} (listed in {INDEX_NAME}); re-download the checkpoint"
+            )
         try:
             with safe_open(str(path), framework="pt") as f:
                 names = list(f.keys())

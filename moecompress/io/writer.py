@@ -69,7 +69,11 @@ class ShardWriter:
     """Collects tensors and files for a checkpoint directory; see the module docstring."""
 
     def __init__(
-        self, out_dir: str | Path, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False
+        self,
+        out_dir: str | Path,
+        *,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        overwrite: bool = False,
     ) -> None:
         self.out_dir = check_output_dir(out_dir, overwrite)
         self.max_shard_size = parse_size(max_shard_size)

@@ -1,0 +1,29 @@
+"""Project invariants: CI runs README's test command; the package imports light."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", readme)
+    assert m, "README.md must hold the test command in a fenced block after <!-- test-command -->"
+    command = m.group(1).strip()
+    ci_lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines
+
+
+def test_import_is_light():
+    code = (
+        "import sys, moecompress\n"
+        "bad = [m for m in ('triton', 'transformers', 'tensorly', 'matplotlib') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
