@@ -80,7 +80,8 @@ class Adapter:
         """``(block_prefix, {key: shape})``: what MoE layer ``i`` must hold in the form found in ``keys``."""
         raise NotImplementedError
 
-    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+    def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
+        """Canonical layer ``i`` from tensors fetched with ``get`` (on-disk form ``fmt``)."""
         raise NotImplementedError
 
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
@@ -119,19 +120,25 @@ class Adapter:
         return list(expected)
 
     def read_layer(self, i: int, keys: Iterable[str], fetch: Fetch) -> MoELayer:
+        """Read MoE layer ``i``. ``build_layer`` fetches in groups (one projection at a time) so the
+        transient peak stays near one layer; every fetched tensor's shape is checked."""
         if not self.is_moe_layer(i):
             raise AdapterError(
                 f"{self.model_type}: layer {i} is not an MoE layer; MoE layers are {self.moe_layer_indices}"
             )
         keys = list(keys)
         _, expected = self.expected_tensors(i, keys)
-        t = fetch(expected)
-        for key, shape in expected.items():
-            if tuple(t[key].shape) != tuple(shape):
-                raise AdapterError(
-                    f"{self.model_type} layer {i}: {key!r} shape {list(t[key].shape)} != {list(shape)}"
-                )
-        return self.build_layer(i, t, self.detect_format(i, keys))
+
+        def get(names: Iterable[str]) -> dict[str, torch.Tensor]:
+            got = fetch(list(names))
+            for key, t in got.items():
+                if tuple(t.shape) != tuple(expected[key]):
+                    raise AdapterError(
+                        f"{self.model_type} layer {i}: {key!r} shape {list(t.shape)} != {list(expected[key])}"
+                    )
+            return got
+
+        return self.build_layer(i, get, self.detect_format(i, keys))
 
     def detect_format(self, i: int, keys: Iterable[str]) -> str:
         return "hub"
@@ -208,21 +215,31 @@ class PerExpertAdapter(Adapter):
     def expected_tensors(self, i: int, keys: Iterable[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
         return self._expected(i, self.detect_format(i, keys))
 
-    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+    def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
         p, router = self._names(i, fmt)
         g, u, d = self.proj
         n = self.expert_width
         if fmt == "fused":
-            gu = t.pop(f"{p}.experts.gate_up_proj")
+            gu = get([f"{p}.experts.gate_up_proj"]).popitem()[1]
             gate, up = gu[:, :n].contiguous(), gu[:, n:].contiguous()
             del gu
-            down = t.pop(f"{p}.experts.down_proj")
+            down = get([f"{p}.experts.down_proj"]).popitem()[1]
         else:
 
-            def stack(name: str) -> torch.Tensor:
-                return torch.stack([t.pop(f"{p}.experts.{x}.{name}.weight") for x in range(self.num_experts)])
+            def stack(name: str) -> torch.Tensor:  # one projection at a time bounds the transient peak
+                names = [f"{p}.experts.{x}.{name}.weight" for x in range(self.num_experts)]
+                per_expert = get(names)
+                return torch.stack([per_expert.pop(k) for k in names])
 
             gate, up, down = stack(g), stack(u), stack(d)
+        rest = [f"{p}.{router}.weight"]
+        if self.has_score_bias:
+            rest.append(f"{p}.{router}.e_score_correction_bias")
+        if self.shared_name:
+            rest += [f"{p}.{self.shared_name}.{q}.weight" for q in ("gate_proj", "up_proj", "down_proj")]
+        if self.shared_gate_name:
+            rest.append(f"{p}.{self.shared_gate_name}.weight")
+        t = get(rest)
         shared = None
         if self.shared_name:
             s = f"{p}.{self.shared_name}"

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from moecompress.adapters.base import Adapter, dense3, require_stock
+from moecompress.adapters.base import Adapter, Fetch, dense3, require_stock
 from moecompress.errors import LayoutError
 from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts import Dense
@@ -43,8 +43,10 @@ class GptOssAdapter(Adapter):
             f"{p}.experts.down_proj_bias": (e, h),
         }
 
-    def build_layer(self, i: int, t: dict[str, torch.Tensor], fmt: str) -> MoELayer:
+    def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
         p = self._p(i)
+        _, expected = self.expected_tensors(i, ())
+        t = get(expected)
         gu = t.pop(f"{p}.experts.gate_up_proj")
         gu_b = t.pop(f"{p}.experts.gate_up_proj_bias")
         bank = ExpertBank(

@@ -134,6 +134,7 @@ def rewrite_checkpoint(
     groups = ckpt.key_groups()
     with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
         for idx, keys in tqdm(groups, desc="layers", unit="layer", disable=not progress):
+            writer.make_room(sum(ckpt.reader.nbytes(k) for k in keys))
             owned: set[str] = set()
             if idx in moe:
                 layer = ckpt.read_layer(idx)

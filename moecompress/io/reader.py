@@ -2,8 +2,10 @@
 
 Opening a checkpoint reads only shard *headers* (names, shapes, dtypes), validating every shard, so a
 truncated or corrupt file is reported before any work starts. Tensors are read on demand with
-``safe_open``; each call opens the shards it needs and closes them again, so no memory map stays
-resident between layers and the whole model is never in memory.
+``safe_open``; each call opens the shards it needs, copies the tensors out and closes the shards again,
+so no memory map (and none of the pages read through it) stays resident between reads and the whole
+model is never in memory. Read in small groups to keep the transient peak small: while a group is
+being read, its bytes are held twice (mapped pages and copies).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class ShardReader:
         return self.get_many([name])[name]
 
     def get_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Read the named tensors, opening each shard once and closing it afterwards."""
+        """Read the named tensors (owned copies), opening each shard once and closing it afterwards."""
         by_shard: dict[str, list[str]] = {}
         for name in names:
             by_shard.setdefault(self._shard_of[self._require(name)], []).append(name)
@@ -143,7 +145,10 @@ class ShardReader:
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in shard_names:
-                        out[name] = f.get_tensor(name)
+                        # get_tensor returns a view into the shard's memory map; one surviving view pins
+                        # the whole map and every page read through it. An owned copy lets the map go
+                        # when the shard is closed, so a layer costs its own bytes only.
+                        out[name] = f.get_tensor(name).clone()
             except (SafetensorError, OSError) as err:
                 raise CheckpointError(f"cannot read from shard {path}: {err}") from None
         return out

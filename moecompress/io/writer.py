@@ -101,6 +101,12 @@ class ShardWriter:
         self._buffer_bytes += size
         self._total_size += size
 
+    def make_room(self, nbytes: int) -> None:
+        """Flush now if ``nbytes`` more would not fit in the current shard. Call it *before* reading the
+        next group of tensors, so the full buffer is written out before that group is in memory too."""
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_size:
+            self.flush()
+
     def add_many(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             self.add(name, t)
