@@ -24,6 +24,36 @@ from moecompress.reference import moe_forward, route
 
 __version__ = "0.1.0"
 
+
+def apply(recipe, overrides=(), *, dry_run=False, resume=False, overwrite=False, progress=True, **fields):
+    """Run a recipe (path, dict or :class:`~moecompress.recipe.Recipe`) and return a ``RunResult``.
+
+    ``overrides`` are ``"key=value"`` strings or a ``{"dotted.key": value}`` mapping; extra keyword
+    arguments are top-level overrides with ``__`` for dots (``calibration__samples=16``).
+    """
+    from moecompress.executor import apply as _apply
+
+    if fields:
+        from moecompress.recipe import _parse_override
+
+        merged = (
+            dict(overrides)
+            if isinstance(overrides, dict)
+            else {".".join(k): v for k, v in map(_parse_override, overrides)}
+        )
+        overrides = {**merged, **{k.replace("__", "."): v for k, v in fields.items()}}
+    return _apply(
+        recipe, overrides, dry_run_only=dry_run, resume=resume, overwrite=overwrite, progress=progress
+    )
+
+
+def calibrate(recipe, overrides=(), *, progress=True):
+    """Compute (or find cached) calibration statistics only; returns the cache entry directory."""
+    from moecompress.executor import calibrate as _calibrate
+
+    return _calibrate(recipe, overrides, progress=progress)
+
+
 __all__ = [
     "Act",
     "AdapterError",
@@ -40,6 +70,8 @@ __all__ = [
     "OutputExistsError",
     "RouterSpec",
     "__version__",
+    "apply",
+    "calibrate",
     "moe_forward",
     "open_checkpoint",
     "rewrite_checkpoint",

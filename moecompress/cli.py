@@ -50,6 +50,34 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_apply(args: argparse.Namespace) -> int:
+    from moecompress.executor import apply
+
+    result = apply(
+        args.recipe,
+        args.set or [],
+        dry_run_only=args.dry_run,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    if result.dry_run:
+        print(json.dumps(result.report["dry_run"], indent=2))
+        return 0
+    report = result.output_dir / "report.md"
+    print(f"wrote {result.output_dir} (report: {report})")
+    for w in result.report.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from moecompress.executor import calibrate
+
+    print(calibrate(args.recipe, args.set or [], progress=not args.quiet))
+    return 0
+
+
 def _size(text: str) -> int:
     from moecompress.io.writer import parse_size
 
@@ -63,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moecompress", description="Compress Mixture-of-Experts checkpoints.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = p.add_subparsers(dest="command", required=True)
+
+    ap = sub.add_parser("apply", help="run a recipe: calibrate, compress layer by layer, write + report")
+    ap.add_argument("recipe", help="recipe YAML file")
+    ap.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)"
+    )
+    ap.add_argument("--dry-run", action="store_true", help="check the recipe on shapes only; write nothing")
+    ap.add_argument("--resume", action="store_true", help="continue an interrupted run of the same recipe")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    ap.set_defaults(func=_cmd_apply)
+
+    cal = sub.add_parser("calibrate", help="compute (or find cached) calibration statistics only")
+    cal.add_argument("recipe", help="recipe YAML file")
+    cal.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    cal.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    cal.set_defaults(func=_cmd_calibrate)
 
     info = sub.add_parser("info", help="describe a checkpoint: model type, MoE layers, experts, shards")
     info.add_argument("model", help="checkpoint directory or Hub repo id")

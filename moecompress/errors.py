@@ -27,3 +27,19 @@ class LayoutError(MoecompressError):
 
 class OutputExistsError(MoecompressError):
     """The output directory exists and overwriting was not requested."""
+
+
+class RecipeError(MoecompressError):
+    """A recipe is malformed or impossible: the message names the step index, step name and field."""
+
+
+class PassError(MoecompressError):
+    """A pass cannot run on this layer with this configuration (found in the dry run or at run time)."""
+
+
+class MissingStatError(MoecompressError):
+    """A pass asked for a calibration statistic that was not collected."""
+
+
+class ResumeError(MoecompressError):
+    """``--resume`` cannot continue: no partial run, or it belongs to a different recipe."""

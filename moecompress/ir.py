@@ -138,6 +138,10 @@ class ExpertBank:
         n = self.gate.num_params() + self.up.num_params() + self.down.num_params()
         return n + sum(b.numel() for b in self.biases.values())
 
+    def nbytes(self) -> int:
+        n = self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+        return n + sum(b.numel() * b.element_size() for b in self.biases.values())
+
 
 @dataclass(frozen=True, eq=False)
 class MoELayer:
@@ -204,6 +208,13 @@ class MoELayer:
         for t in (self.router_bias, self.score_bias, self.shared_gate):
             n += 0 if t is None else t.numel()
         return n + (0 if self.shared is None else self.shared.num_params())
+
+    def nbytes(self) -> int:
+        """Bytes of everything the layer stores (what compression reports compare)."""
+        n = self.experts.nbytes() + (0 if self.shared is None else self.shared.nbytes())
+        for t in (self.router_weight, self.router_bias, self.score_bias, self.shared_gate, self.expert_map):
+            n += 0 if t is None else t.numel() * t.element_size()
+        return n
 
     def replace(self, **changes) -> MoELayer:
         """``dataclasses.replace`` as a method, for readability in passes."""

@@ -11,6 +11,9 @@ dtype; the weighted sum is accumulated in fp32 and cast back to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -56,11 +59,16 @@ def _sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.
 
 def route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing: returns ``(ids [T, k] int64 logical expert ids, weights [T, k] fp32)``."""
+    _, ids, w = _route(layer, x)
+    return ids, w
+
+
+def _route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = layer.router
     logits = router_logits(layer, x)
     if spec.gating is Gating.SPARSEMIXER:
         ids, w = _sparsemixer(logits, spec.jitter_eps)
-        return ids, w * spec.routed_scale
+        return logits, ids, w * spec.routed_scale
     if spec.gating is Gating.SOFTMAX_TOPK:
         scores = logits.softmax(dim=-1)
     elif spec.gating is Gating.SIGMOID:
@@ -75,7 +83,7 @@ def route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         w = w.softmax(dim=-1)
     elif spec.norm_topk:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, w * spec.routed_scale
+    return logits, ids, w * spec.routed_scale
 
 
 def _act(bank: ExpertBank, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -86,8 +94,12 @@ def _act(bank: ExpertBank, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def expert_forward(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Output ``[T, H]`` of physical expert ``e`` of ``bank`` on tokens ``x`` ``[T, H]`` (unweighted)."""
+def expert_forward(
+    bank: ExpertBank, e: int, x: torch.Tensor, observe: Callable[[torch.Tensor], None] | None = None
+) -> torch.Tensor:
+    """Output ``[T, H]`` of physical expert ``e`` of ``bank`` on tokens ``x`` ``[T, H]`` (unweighted).
+
+    ``observe(h)`` is called with the down-projection input ``h`` ``[T, I]`` (calibration statistics)."""
     g = bank.gate.apply(x, e)
     u = bank.up.apply(x, e)
     if "gate" in bank.biases:
@@ -98,26 +110,51 @@ def expert_forward(bank: ExpertBank, e: int, x: torch.Tensor) -> torch.Tensor:
     live = bank.width_of(e)
     if live < bank.width:  # pruned neurons take no part in the forward
         h = torch.cat([h[:, :live], h.new_zeros(h.shape[0], bank.width - live)], dim=1)
+    if observe is not None:
+        observe(h)
     y = bank.down.apply(h, e)
     if "down" in bank.biases:
         y = y + bank.biases["down"][e]
     return y
 
 
-def moe_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+class Observer(Protocol):
+    """Receives the internals of :func:`moe_forward` (used to gather calibration statistics)."""
+
+    def on_route(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None: ...
+
+    def on_expert(
+        self, e: int, tok: torch.Tensor, slot: torch.Tensor, h: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """Physical expert ``e`` ran on tokens ``tok`` (routing slots ``slot``); ``h`` is its
+        down-projection input ``[n, I]``, ``y`` its unweighted output ``[n, H]``."""
+
+    def on_shared(self, h: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+def moe_forward(layer: MoELayer, x: torch.Tensor, observer: Observer | None = None) -> torch.Tensor:
     """The MoE block's output for hidden states ``x`` of shape ``[T, H]``."""
     if x.dim() != 2 or x.shape[1] != layer.hidden_size:
         raise ValueError(f"moe_forward expects x of shape [T, {layer.hidden_size}], got {tuple(x.shape)}")
-    ids, weights = route(layer, x)
+    logits, ids, weights = _route(layer, x)
+    if observer is not None:
+        observer.on_route(logits, ids, weights)
     phys = ids if layer.expert_map is None else layer.expert_map.to(ids.device)[ids]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in torch.unique(phys).tolist():
         tok, slot = torch.where(phys == p)
-        y = expert_forward(layer.experts, p, x[tok])
+        seen: list[torch.Tensor] = []
+        y = expert_forward(layer.experts, p, x[tok], None if observer is None else seen.append)
+        if observer is not None:
+            observer.on_expert(p, tok, slot, seen[0], y)
         out.index_add_(0, tok, y.float() * weights[tok, slot, None])
     if layer.shared is not None:
-        s = expert_forward(layer.shared, 0, x).float()
+        seen = []
+        s = expert_forward(layer.shared, 0, x, None if observer is None else seen.append)
+        if observer is not None:
+            observer.on_shared(seen[0], s)
+        s = s.float()
         if layer.shared_gate is not None:
             s = s * torch.sigmoid(F.linear(x.float(), layer.shared_gate.float()))
-        out += s
+        out = out + s
     return out.to(x.dtype)

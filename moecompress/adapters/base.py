@@ -38,6 +38,10 @@ class Adapter:
     """config attribute holding the routed expert count (the spelling this model type writes)."""
     width_key: ClassVar[str]
     """config attribute holding the routed expert width."""
+    module_attr: ClassVar[str] = "mlp"
+    """attribute of transformers' decoder layer that holds the MoE block (in memory)."""
+    module_returns_tuple: ClassVar[bool] = False
+    """whether that block returns ``(hidden_states, router_scores)`` instead of a tensor."""
 
     def __init__(self, config) -> None:
         self.config = config

@@ -21,6 +21,7 @@ class GptOssAdapter(Adapter):
     model_type = "gpt_oss"
     count_key = "num_local_experts"
     width_key = "intermediate_size"
+    module_returns_tuple = True
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(

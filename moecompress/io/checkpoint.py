@@ -53,6 +53,10 @@ class Checkpoint:
         """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
         return self.adapter.read_layer(i, self.reader.keys, self.reader.get_many)
 
+    def read_layer_with(self, i: int, fetch) -> MoELayer:
+        """MoE layer ``i`` with tensors from ``fetch(names) -> {name: tensor}`` (e.g. meta tensors)."""
+        return self.adapter.read_layer(i, self.reader.keys, fetch)
+
     def moe_keys(self, i: int) -> list[str]:
         """On-disk tensor names owned by the MoE block of layer ``i``."""
         return list(self._moe_keys.get(i, []))

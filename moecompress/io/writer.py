@@ -58,6 +58,17 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     return out
 
 
+def move_into_place(src: Path, dst: Path) -> None:
+    """Rename the finished directory ``src`` onto ``dst``; an existing ``dst`` is replaced only now."""
+    old = None
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+        os.replace(dst, old / "x")
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _standalone(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor owning exactly its storage (safetensors refuses views and shared memory)."""
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
@@ -74,11 +85,22 @@ class ShardWriter:
         *,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         overwrite: bool = False,
+        staged: bool = False,
     ) -> None:
-        self.out_dir = check_output_dir(out_dir, overwrite)
+        """``staged=True``: write straight into ``out_dir`` (a directory inside a run's own staging
+        area, which the caller moves into place); ``commit`` then only names the shards."""
+        self.staged = staged
         self.max_shard_size = parse_size(max_shard_size)
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        if staged:
+            self.out_dir = Path(out_dir)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir = self.out_dir
+        else:
+            self.out_dir = check_output_dir(out_dir, overwrite)
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir = Path(
+                tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent)
+            )
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
         self._shards: list[list[str]] = []
@@ -117,9 +139,33 @@ class ShardWriter:
             return
         path = self.tmp_dir / f"part-{len(self._shards):05d}.safetensors"
         save_file(self._buffer, str(path), metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors creates files private to the user; checkpoints are shared
         self._shards.append(list(self._buffer))
         self._buffer = {}
         self._buffer_bytes = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffer_bytes
+
+    def state(self) -> dict:
+        """What is durably on disk (flushed shards), for a journal."""
+        return {
+            "shards": [list(names) for names in self._shards],
+            "total_size": self._total_size - self._buffer_bytes,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue after a crash from a :meth:`state` (staged writers only): later part files go."""
+        if not self.staged:
+            raise CheckpointError("only a staged writer can be restored")
+        self._shards = [list(n) for n in state["shards"]]
+        self._names = {n for names in self._shards for n in names}
+        self._total_size = int(state["total_size"])
+        self._buffer, self._buffer_bytes = {}, 0
+        for part in self.tmp_dir.glob("part-*.safetensors"):
+            if int(part.stem.split("-")[1]) >= len(self._shards):
+                part.unlink()
 
     # -- other files -----------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
@@ -154,13 +200,10 @@ class ShardWriter:
         """Finish the shards and move the directory into place atomically."""
         self.flush()
         self._name_shards()
-        old = None
-        if self.out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.old-", dir=self.out_dir.parent))
-            os.replace(self.out_dir, old / "x")
-        os.replace(self.tmp_dir, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.staged:
+            self._done = True
+            return self.out_dir
+        move_into_place(self.tmp_dir, self.out_dir)
         self._done = True
         log.info("wrote %s (%d shard(s), %.1f MB)", self.out_dir, len(self._shards), self._total_size / 1e6)
         return self.out_dir
@@ -168,7 +211,7 @@ class ShardWriter:
     def abort(self) -> None:
         """Discard everything written so far."""
         self._buffer = {}
-        if not self._done:
+        if not self._done and not self.staged:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._done = True
 

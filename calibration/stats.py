@@ -1,0 +1,240 @@
+"""The statistics catalogue, and the collector that gathers it inside the reference MoE forward.
+
+transformers 5 runs experts as fused 3-D parameters with no per-expert modules, so nothing can be
+hooked by name; moecompress computes its statistics in its own canonical forward
+(:func:`moecompress.reference.moe_forward` with an :class:`~moecompress.reference.Observer`), which
+equals the transformers block to ~1e-7. Notation: ``x`` MoE input ``[T, H]``, ``h`` the
+down-projection input of an expert ``[n, I]`` (tokens routed to it), ``y`` an expert's unweighted
+output ``[n, H]``, ``g`` the gradient of the LM loss (mean token NLL over the calibration set).
+
+Forward statistics are means over the calibration (non-held-back) tokens; backward statistics come
+from the executor's streamed backward. Counts use logical router ids for routing statistics and
+physical expert ids for expert internals (identical unless experts were merged).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moecompress.ir import MoELayer
+
+
+@dataclass(frozen=True)
+class StatInfo:
+    kind: str  # "forward" | "backward"
+    shape: str
+    doc: str
+
+
+CATALOGUE: dict[str, StatInfo] = {
+    "expert_counts": StatInfo("forward", "[E]", "tokens routed to each expert"),
+    "router_prob_mean": StatInfo("forward", "[E]", "mean over tokens of softmax(router logits)"),
+    "router_entropy": StatInfo("forward", "[]", "mean per-token entropy (nats) of softmax(router logits)"),
+    "expert_out_norm_mean": StatInfo("forward", "[E]", "mean over routed tokens of ||y||_2"),
+    "reap_saliency": StatInfo("forward", "[E]", "mean over routed tokens of routing weight * ||y||_2 (REAP)"),
+    "act_sq_mean": StatInfo("forward", "[E, I]", "mean over routed tokens of h^2, per neuron"),
+    "down_out_absmax": StatInfo("forward", "[E]", "max |y| over routed tokens and channels"),
+    "down_out_argmax": StatInfo("forward", "[E]", "channel of down_out_absmax"),
+    "shared_down_out_absmax": StatInfo("forward", "[S]", "max |y| of the shared expert(s)"),
+    "shared_down_out_argmax": StatInfo("forward", "[S]", "channel of shared_down_out_absmax"),
+    "input_cov": StatInfo("forward", "[H, H]", "E[x x^T] over all tokens (uncentred)"),
+    "down_in_cov": StatInfo("forward", "[E, I, I]", "E[h h^T] per expert over its routed tokens"),
+    "down_in_cov_pooled": StatInfo("forward", "[I, I]", "E[h h^T] over all routed (token, expert) pairs"),
+    "io_sample": StatInfo("forward", "[N, H] x2", "first N calibration tokens' MoE inputs and outputs"),
+    "grad_sq_mean": StatInfo("backward", "[E, I]", "mean over routed tokens of (dl/dh)^2, per neuron"),
+    "out_grad_cov": StatInfo("backward", "[H, H]", "E[g g^T], g = dl/d(MoE output), over all tokens"),
+    "down_in_grad_cov_pooled": StatInfo("backward", "[I, I]", "E[g_h g_h^T] over routed pairs, g_h = dl/dh"),
+}
+"""Every statistic a pass may declare in ``needs``. ``io_sample`` yields ``io_sample_x``/``io_sample_y``."""
+
+ALWAYS = frozenset({"expert_counts", "router_prob_mean", "router_entropy"})
+"""Collected in every run (cheap; used by reports and the no-token-expert warnings)."""
+
+
+def backward_needed(names: set[str] | frozenset[str]) -> bool:
+    return any(CATALOGUE[n].kind == "backward" for n in names)
+
+
+class StatsCollector:
+    """An :class:`~moecompress.reference.Observer` accumulating the requested statistics of one layer.
+
+    ``mode`` is ``"stats"`` (forward statistics), ``"holdout"`` (only the held-back inputs/outputs used
+    for reconstruction errors) or ``"backward"`` (gradient statistics via tensor hooks during the
+    recomputation of the streamed backward).
+    """
+
+    def __init__(self, layer: MoELayer, names: set[str] | frozenset[str], sample_tokens: int = 512) -> None:
+        self.names = set(names) | ALWAYS
+        self.layer = layer
+        self.sample_tokens = sample_tokens
+        self.mode = "stats"
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._n_tokens = 0
+        self._n_grad_tokens = 0
+        self._io: dict[str, list[torch.Tensor]] = {
+            "io_sample_x": [],
+            "io_sample_y": [],
+            "holdout_x": [],
+        }
+        self._absmax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weights: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _add(self, name: str, value: torch.Tensor, index: int | None = None) -> None:
+        value = value.detach().double()
+        if name not in self._sums:
+            shape = (self._n_experts(name), *value.shape) if index is not None else value.shape
+            self._sums[name] = torch.zeros(shape, dtype=torch.float64)
+        if index is None:
+            self._sums[name] += value
+        else:
+            self._sums[name][index] += value
+
+    def _count(self, name: str, index: int, n: int) -> None:
+        if name not in self._counts:
+            self._counts[name] = torch.zeros(self._n_experts(name), dtype=torch.float64)
+        self._counts[name][index] += n
+
+    def _n_experts(self, name: str) -> int:
+        return self.layer.experts.num_experts if name not in ("shared",) else 1
+
+    def _absmax_update(self, name: str, index: int, size: int, y: torch.Tensor) -> None:
+        a = y.detach().abs().float()
+        val, flat = a.max(dim=0).values.max(dim=0)
+        if name not in self._absmax:
+            self._absmax[name] = (torch.zeros(size), torch.zeros(size, dtype=torch.long))
+        best, chan = self._absmax[name]
+        if val > best[index]:
+            best[index] = val
+            chan[index] = flat
+
+    def _keep(self, key: str, t: torch.Tensor) -> None:
+        have = sum(x.shape[0] for x in self._io[key])
+        if have < self.sample_tokens:
+            self._io[key].append(t.detach().float()[: self.sample_tokens - have].clone())
+
+    # -- Observer --------------------------------------------------------------------------------
+    def on_input(self, x: torch.Tensor) -> None:
+        if self.mode == "holdout":
+            self._keep("holdout_x", x)
+            return
+        if self.mode != "stats":
+            return
+        self._n_tokens += x.shape[0]
+        if "input_cov" in self.names:
+            xf = x.detach().float()
+            self._add("input_cov", xf.T @ xf)
+        if "io_sample" in self.names:
+            self._keep("io_sample_x", x)
+
+    def on_route(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self._ids, self._weights = ids, weights.detach()
+        if self.mode != "stats":
+            return
+        p = logits.detach().float().softmax(dim=-1)
+        self._add("router_prob_mean", p.sum(0))
+        self._add("router_entropy", -(p * p.clamp_min(1e-30).log()).sum())
+        self._add("expert_counts", torch.bincount(ids.flatten(), minlength=logits.shape[1]).double())
+
+    def on_expert(
+        self, e: int, tok: torch.Tensor, slot: torch.Tensor, h: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        n = h.shape[0]
+        if self.mode == "backward":
+            if h.requires_grad and ({"grad_sq_mean", "down_in_grad_cov_pooled"} & self.names):
+                h.register_hook(lambda g, e=e: self._on_grad_h(e, g))
+            self._count("grad_tokens", e, n)
+            return
+        if self.mode != "stats":
+            return
+        self._count("routed", e, n)
+        if "act_sq_mean" in self.names:
+            self._add("act_sq_mean", (h.detach().float() ** 2).sum(0), e)
+        if {"expert_out_norm_mean", "reap_saliency"} & self.names:
+            norms = y.detach().float().norm(dim=-1)
+            self._add("expert_out_norm_mean", norms.sum(), e)
+            assert self._weights is not None
+            self._add("reap_saliency", (norms * self._weights[tok, slot]).sum(), e)
+        if {"down_out_absmax", "down_out_argmax"} & self.names:
+            self._absmax_update("down_out", e, self.layer.experts.num_experts, y)
+        if "down_in_cov" in self.names or "down_in_cov_pooled" in self.names:
+            hf = h.detach().float()
+            c = hf.T @ hf
+            if "down_in_cov" in self.names:
+                self._add("down_in_cov", c, e)
+            if "down_in_cov_pooled" in self.names:
+                self._add("down_in_cov_pooled", c)
+
+    def on_shared(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        if self.mode == "stats" and {"shared_down_out_absmax", "shared_down_out_argmax"} & self.names:
+            self._absmax_update("shared_down_out", 0, 1, y)
+
+    def on_output(self, out: torch.Tensor) -> None:
+        if self.mode == "stats" and "io_sample" in self.names:
+            self._keep("io_sample_y", out)
+        elif self.mode == "backward" and out.requires_grad and "out_grad_cov" in self.names:
+            out.register_hook(self._on_grad_out)
+
+    def _on_grad_h(self, e: int, g: torch.Tensor) -> None:
+        gf = g.detach().float()
+        if "grad_sq_mean" in self.names:
+            self._add("grad_sq_mean", (gf**2).sum(0), e)
+        if "down_in_grad_cov_pooled" in self.names:
+            self._add("down_in_grad_cov_pooled", gf.T @ gf)
+
+    def _on_grad_out(self, g: torch.Tensor) -> None:
+        gf = g.detach().float().reshape(-1, g.shape[-1])
+        self._n_grad_tokens += gf.shape[0]
+        self._add("out_grad_cov", gf.T @ gf)
+
+    # -- results ---------------------------------------------------------------------------------
+    def result(self) -> dict[str, torch.Tensor]:
+        """Means as float32 tensors, ready to save as safetensors."""
+        out: dict[str, torch.Tensor] = {}
+        t = max(self._n_tokens, 1)
+        routed = self._counts.get("routed", torch.zeros(self.layer.experts.num_experts, dtype=torch.float64))
+        per_expert = routed.clamp_min(1)
+        grad_routed = self._counts.get("grad_tokens", routed).clamp_min(1)
+        for name, s in self._sums.items():
+            if name in ("router_prob_mean", "router_entropy", "input_cov"):
+                v = s / t
+            elif name == "expert_counts":
+                v = s
+            elif name in ("act_sq_mean", "expert_out_norm_mean", "reap_saliency"):
+                v = s / per_expert.view(-1, *([1] * (s.dim() - 1)))
+            elif name == "down_in_cov":
+                v = s / per_expert.view(-1, 1, 1)
+            elif name == "down_in_cov_pooled":
+                v = s / max(float(routed.sum()), 1.0)
+            elif name == "grad_sq_mean":
+                v = s / grad_routed.view(-1, 1)
+            elif name == "down_in_grad_cov_pooled":
+                v = s / max(float(grad_routed.sum()), 1.0)
+            elif name == "out_grad_cov":
+                v = s / max(self._n_grad_tokens, 1)
+            else:  # pragma: no cover - every accumulated name is listed above
+                raise KeyError(name)
+            if name in self.names:
+                out[name] = v.float()
+        for key, (best, chan) in self._absmax.items():
+            out[f"{key}_absmax"], out[f"{key}_argmax"] = best.clone(), chan.clone()
+        for key, parts in self._io.items():
+            if parts:
+                out[key] = torch.cat(parts)
+        if math.isnan(float(out.get("router_entropy", torch.tensor(0.0)))):
+            raise FloatingPointError(f"layer {self.layer.index}: NaN in router statistics")
+        return out
+
+    def merge_backward(self, other: StatsCollector) -> None:
+        """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""
+        for name in ("grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled"):
+            if name in other._sums:
+                self._sums[name] = other._sums[name]
+        if "grad_tokens" in other._counts:
+            self._counts["grad_tokens"] = other._counts["grad_tokens"]
+        self._n_grad_tokens = other._n_grad_tokens

@@ -1,0 +1,264 @@
+"""Recipes: YAML (or a dict) -> validated, typed :class:`Recipe`, before any weight is read.
+
+```yaml
+model: path/or/hub-id
+output: out/dir
+calibration: {source: builtin, samples: 128, seq_len: 512, seed: 0}
+emit: final                  # or every_step: which steps write a checkpoint (reports always)
+steps:                       # ordered; a step name is a registry key; numbered from 1 in messages
+  - analyze: {}
+  - identity: {}
+```
+
+Relative paths are relative to the current directory. ``--set key=value`` overrides use dotted paths
+(``calibration.samples=256``, ``emit=every_step``, ``steps.2.ratio=0.3`` for the second step); values
+are parsed as YAML scalars. Every error is a :class:`~moecompress.errors.RecipeError` whose one-line
+message names the step number, step name and field, the problem and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moecompress.errors import RecipeError
+from moecompress.registry import PassConfig, PassSpec, available_passes, get_pass
+
+
+class CalibrationConfig(BaseModel):
+    """Calibration data and how statistics are gathered."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(
+        "builtin", description="builtin | file:PATH[,PATH] | hf:NAME[:CONFIG][@SPLIT] | random"
+    )
+    samples: int = Field(128, ge=1, le=1_000_000)
+    seq_len: int = Field(512, ge=2, le=1_000_000)
+    seed: int = 0
+    batch_size: int = Field(8, ge=1, description="sequences per forward batch")
+    holdout: int | None = Field(
+        None, ge=1, description="sequences held back for reconstruction errors (default samples // 8, >= 1)"
+    )
+    propagate: Literal["original", "compressed"] = "original"
+    sample_tokens: int = Field(512, ge=1, description="size of the bounded sample of MoE inputs/outputs")
+    offload: Literal["auto", "ram", "disk"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _holdout_fits(self) -> CalibrationConfig:
+        if self.samples < 2:
+            raise ValueError("samples must be at least 2 (one for statistics, one held back)")
+        if self.holdout is not None and self.holdout >= self.samples:
+            raise ValueError(f"holdout={self.holdout} must be smaller than samples={self.samples}")
+        return self
+
+    @property
+    def holdout_samples(self) -> int:
+        return self.holdout if self.holdout is not None else max(1, self.samples // 8)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A validated recipe step. ``number`` is 1-based, as in every message."""
+
+    number: int
+    name: str
+    spec: PassSpec
+    config: PassConfig
+
+    @property
+    def label(self) -> str:
+        return f"step {self.number} ({self.name})"
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.number:02d}-{self.name}"
+
+
+class _RecipeModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    output: str = Field(min_length=1)
+    calibration: CalibrationConfig = CalibrationConfig()
+    emit: Literal["final", "every_step"] = "final"
+    max_shard_size: int | str = "5GB"
+    steps: list[Any] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str
+    output: str
+    calibration: CalibrationConfig
+    emit: str
+    max_shard_size: int | str
+    steps: tuple[Step, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe (defaults filled in), as YAML would hold it."""
+        return {
+            "model": self.model,
+            "output": self.output,
+            "calibration": self.calibration.model_dump(),
+            "emit": self.emit,
+            "max_shard_size": self.max_shard_size,
+            "steps": [{s.name: s.config.model_dump(mode="json")} for s in self.steps],
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the output bytes (not the output path)."""
+        d = self.to_dict()
+        d.pop("output")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset().union(*(s.spec.needs for s in self.steps))
+
+
+# -- errors --------------------------------------------------------------------------------------
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _explain(err: ValidationError, where: str, model: type[BaseModel]) -> RecipeError:
+    errors = err.errors()
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # typos first
+    loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    allowed = list(model.model_fields)
+    if e["type"] == "extra_forbidden":
+        field = str(e["loc"][-1])
+        owner = CalibrationConfig if e["loc"][0] == "calibration" and model is _RecipeModel else model
+        options = list(owner.model_fields)
+        return RecipeError(
+            f"{where}: unknown field {loc!r}{_suggest(field, options)}; allowed: {', '.join(options)}"
+        )
+    if e["type"] == "missing":
+        return RecipeError(f"{where}: missing required field {loc!r}; fields: {', '.join(allowed)}")
+    got = e.get("input")
+    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    msg = e["msg"].removeprefix("Value error, ")
+    return RecipeError(f"{where}: field {loc!r}: {msg}{shown}")
+
+
+# -- loading -------------------------------------------------------------------------------------
+def _read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return json.loads(json.dumps(dict(source), default=str))  # a deep, plain copy
+    path = Path(source)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise RecipeError(f"{path}: {problem}{at}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping with model, output and steps")
+    return data
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected key=value, e.g. calibration.samples=256")
+    key, _, raw = item.partition("=")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise RecipeError(f"--set {item!r}: empty key")
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides (or a ``{dotted.key: value}`` mapping) to a raw recipe dict."""
+    items = (
+        [(k.split("."), v) for k, v in overrides.items()]
+        if isinstance(overrides, Mapping)
+        else [_parse_override(o) for o in overrides]
+    )
+    for parts, value in items:
+        key = ".".join(parts)
+        if parts[0] == "steps":
+            steps = data.get("steps")
+            if len(parts) != 3 or not parts[1].isdigit() or not isinstance(steps, list):
+                raise RecipeError(f"--set {key}: use steps.N.field=value with N the step number (from 1)")
+            n = int(parts[1])
+            if not 1 <= n <= len(steps) or not isinstance(steps[n - 1], dict) or len(steps[n - 1]) != 1:
+                raise RecipeError(f"--set {key}: the recipe has no step {n} (it has {len(steps)})")
+            name = next(iter(steps[n - 1]))
+            cfg = steps[n - 1][name] if isinstance(steps[n - 1][name], dict) else {}
+            steps[n - 1] = {name: {**cfg, parts[2]: value}}
+            continue
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.get(p, {}), dict):
+                raise RecipeError(f"--set {key}: {p!r} is not a section")
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return data
+
+
+def _parse_step(number: int, item: Any) -> Step:
+    if isinstance(item, str):
+        item = {item: {}}
+    if not isinstance(item, dict) or len(item) != 1:
+        raise RecipeError(
+            f"step {number}: each step is a mapping with exactly one key, the step name, e.g. '- analyze: {{}}'"
+        )
+    name, cfg = next(iter(item.items()))
+    name = str(name)
+    if name not in available_passes():
+        raise RecipeError(
+            f"step {number}: unknown step {name!r}{_suggest(name, available_passes())}; "
+            f"available: {', '.join(available_passes())}"
+        )
+    spec = get_pass(name)
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"step {number} ({name}): the settings must be a mapping, got {type(cfg).__name__}")
+    try:
+        config = spec.config.model_validate(cfg)
+    except ValidationError as err:
+        raise _explain(err, f"step {number} ({name})", spec.config) from None
+    return Step(number=number, name=name, spec=spec, config=config)
+
+
+def load_recipe(
+    source: str | Path | Mapping[str, Any], overrides: Iterable[str] | Mapping[str, Any] = ()
+) -> Recipe:
+    """Parse and validate a recipe (path to YAML, or a dict) with optional overrides."""
+    data = apply_overrides(_read(source), overrides)
+    try:
+        raw = _RecipeModel.model_validate(data)
+    except ValidationError as err:
+        raise _explain(err, "recipe", _RecipeModel) from None
+    steps = tuple(_parse_step(n, item) for n, item in enumerate(raw.steps, start=1))
+    return Recipe(
+        model=raw.model,
+        output=raw.output,
+        calibration=raw.calibration,
+        emit=raw.emit,
+        max_shard_size=raw.max_shard_size,
+        steps=steps,
+    )

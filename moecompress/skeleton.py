@@ -1,0 +1,226 @@
+"""A transformers model skeleton on the ``meta`` device, materialised one decoder layer at a time.
+
+This is how calibration runs transformers' own layer modules without loading the model:
+
+1. build the model from its config on ``meta`` (no memory);
+2. load the embeddings, re-create modules whose non-persistent buffers only exist after ``__init__``
+   (rotary embeddings), and capture every decoder layer's call arguments with identity "catcher"
+   modules swapped in for the layers (the GPTQ trick; masks and position embeddings come from the
+   model's own forward, so per-layer masks such as sliding windows are right);
+3. per layer: deep-copy the meta layer, swap its MoE block *instance* for :class:`InstrumentedMoE`
+   (our reference forward on the canonical :class:`~moecompress.ir.MoELayer`, which equals the
+   transformers block and exposes its internals to statistics), load the rest of the layer's tensors
+   from the shards with ``assign=True``, run, free.
+
+No transformers class is patched; only module instances of our own skeleton are replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moecompress.errors import CheckpointError
+from moecompress.io.checkpoint import Checkpoint
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.layouts import Dense
+from moecompress.reference import moe_forward
+
+log = logging.getLogger(__name__)
+
+
+class InstrumentedMoE(nn.Module):
+    """Drop-in MoE block running :func:`moe_forward` on a canonical layer, with an optional observer."""
+
+    def __init__(self, layer: MoELayer, observer=None, returns_tuple: bool = False) -> None:
+        super().__init__()
+        self.layer = layer
+        self.observer = observer
+        self.returns_tuple = returns_tuple
+
+    def forward(self, hidden_states: torch.Tensor):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        obs = self.observer
+        if obs is not None:
+            obs.on_input(x)
+        out = moe_forward(self.layer, x, obs)
+        if obs is not None:
+            obs.on_output(out)
+        out = out.reshape(shape)
+        return (out, None) if self.returns_tuple else out
+
+
+def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
+    """``layer`` with its dense weights in ``dtype`` (calibration compute dtype)."""
+
+    def bank(b: ExpertBank | None) -> ExpertBank | None:
+        if b is None:
+            return None
+        lays = []
+        for lay in (b.gate, b.up, b.down):
+            lays.append(Dense(lay.weight.to(dtype)) if isinstance(lay, Dense) and lay.dtype != dtype else lay)
+        biases = {k: v.to(dtype) for k, v in b.biases.items()}
+        return ExpertBank(*lays, widths=b.widths, biases=biases, act=b.act, alpha=b.alpha, limit=b.limit)
+
+    def t(x):
+        return None if x is None else x.to(dtype) if x.is_floating_point() else x
+
+    return layer.replace(
+        experts=bank(layer.experts),
+        shared=bank(layer.shared),
+        router_weight=t(layer.router_weight),
+        router_bias=t(layer.router_bias),
+        shared_gate=t(layer.shared_gate),
+    )
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    def __init__(self, index: int, sink: dict, last: bool) -> None:
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.index == 0:
+            self.sink["hidden"] = hidden_states
+        self.sink[self.index] = (args, kwargs)
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+class Skeleton:
+    """The meta-device model of a checkpoint, with embeddings and head materialised on demand."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.ckpt = ckpt
+        self.dtype = dtype
+        config = copy.deepcopy(ckpt.config)
+        config.use_cache = False
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self.layers = self.model.model.layers
+        self.meta_layers = list(self.layers)
+        self.prefix = ckpt.adapter.layers_prefix
+        groups = dict(ckpt.key_groups())
+        self._global_keys = groups.get(None, [])
+        self._layer_keys = {i: groups.get(i, []) for i in range(len(self.meta_layers))}
+        self._load_globals(lambda k: not k.startswith("lm_head") and ".norm." not in f".{k}")
+        self._rebuild_buffer_modules()
+
+    # -- globals ---------------------------------------------------------------------------------
+    def _load_globals(self, want) -> None:
+        keys = [k for k in self._global_keys if want(k)]
+        tensors = {
+            k: v.to(self.dtype) if v.is_floating_point() else v
+            for k, v in self.ckpt.reader.get_many(keys).items()
+        }
+        result = self.model.load_state_dict(tensors, strict=False, assign=True)
+        if result.unexpected_keys:
+            raise CheckpointError(
+                f"tensors not in the {self.ckpt.model_type} model: {result.unexpected_keys[:3]}"
+            )
+
+    def _rebuild_buffer_modules(self) -> None:
+        """Re-create modules outside the decoder layers whose buffers are still meta (rotary tables)."""
+        done: set[str] = set()
+        for name, buf in list(self.model.named_buffers()):
+            if not buf.is_meta or name.startswith(("model.layers.", "layers.")):
+                continue
+            mod_name = name.rpartition(".")[0]
+            if mod_name in done:
+                continue
+            parent, attr = _owner(self.model, mod_name)
+            old = getattr(parent, attr)
+            try:
+                new = type(old)(config=self.model.config)
+            except TypeError as err:
+                raise CheckpointError(
+                    f"cannot materialise {mod_name} ({type(old).__name__}): {err}"
+                ) from None
+            setattr(parent, attr, new)
+            done.add(mod_name)
+
+    def load_head(self) -> None:
+        """Materialise the final norm and the LM head (tied to the embeddings if the config says so)."""
+        self._load_globals(lambda k: k.startswith("lm_head") or ".norm." in f".{k}")
+        head = self.model.get_output_embeddings()
+        if head.weight.is_meta:
+            if not getattr(self.model.config, "tie_word_embeddings", False):
+                raise CheckpointError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
+            head.weight = self.model.get_input_embeddings().weight
+
+    def capture(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """Embedding output and every decoder layer's call arguments for one batch."""
+        n = len(self.meta_layers)
+        sink: dict = {}
+        for i in range(n):
+            self.layers[i] = _Catcher(i, sink, last=i == n - 1)
+        try:
+            with torch.no_grad():
+                self.model.model(input_ids=input_ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for i, layer in enumerate(self.meta_layers):
+                self.layers[i] = layer
+        if "hidden" not in sink or len(sink) != n + 1:
+            raise CheckpointError("could not capture the decoder layers' inputs (unexpected model forward)")
+        return sink["hidden"], [sink[i] for i in range(n)]
+
+    # -- layers ----------------------------------------------------------------------------------
+    def layer(self, i: int, moe: MoELayer | None = None, observer=None) -> nn.Module:
+        """Decoder layer ``i`` with real weights; its MoE block replaced by ``moe`` if given."""
+        adapter = self.ckpt.adapter
+        mod = copy.deepcopy(self.meta_layers[i])
+        owned: set[str] = set()
+        if moe is not None:
+            block = InstrumentedMoE(cast_layer(moe, self.dtype), observer, adapter.module_returns_tuple)
+            setattr(mod, adapter.module_attr, block)
+            owned = set(self.ckpt.moe_keys(i))
+        keys = [k for k in self._layer_keys[i] if k not in owned]
+        start = len(f"{self.prefix}.{i}.")
+        tensors = {
+            k[start:]: (v.to(self.dtype) if v.is_floating_point() else v)
+            for k, v in self.ckpt.reader.get_many(keys).items()
+        }
+        result = mod.load_state_dict(tensors, strict=False, assign=True)
+        leftover = [n for n, t in [*mod.named_parameters(), *mod.named_buffers()] if t.is_meta]
+        if result.unexpected_keys or leftover:
+            what = result.unexpected_keys[:3] or leftover[:3]
+            raise CheckpointError(f"layer {i}: cannot materialise transformers' layer module (keys {what})")
+        return mod.eval().requires_grad_(False)
+
+    def lm_loss_and_grad(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, total_tokens: int
+    ) -> tuple[float, torch.Tensor]:
+        """Sum of next-token NLL over the batch / ``total_tokens`` and its gradient w.r.t. ``hidden``."""
+        h = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = self.model.lm_head(self.model.model.norm(h)).float()
+            loss = (
+                F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]),
+                    input_ids[:, 1:].reshape(-1),
+                    reduction="sum",
+                )
+                / total_tokens
+            )
+            loss.backward()
+        return float(loss.detach()), h.grad

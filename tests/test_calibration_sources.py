@@ -1,0 +1,279 @@
+"""Calibration sources: forms, held-out split, determinism, fingerprints and every error, offline."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import logging
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from moecompress.calibration import CalibrationError, load_token_ids, source_fingerprint, sources
+from moecompress.calibration.builtin_text import builtin_texts
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moecompress.errors import MoecompressError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MARK = "QUOKKAZEBRA"
+
+
+def _save_tokenizer(model_dir: Path, vocab_size: int, special: list[str] | None = None) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=special or [], show_progress=False
+    )
+    tok.train_from_iterator([text for _, text in builtin_texts()], trainer=trainer)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": tok.get_vocab_size()}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    _save_tokenizer(d, 300)
+    return d
+
+
+@pytest.fixture(scope="module")
+def decode(model_dir):
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return lambda ids: tok.decode(ids.tolist())
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A 50,000-character file whose marker words sit only in its last 2% (the eval split)."""
+    filler = "\n\n".join(text for _, text in builtin_texts())[:49_000]
+    tail = (f" {MARK}" * 100)[:1000]
+    path = tmp_path / "corpus.txt"
+    path.write_text(filler + tail)
+    assert len(path.read_text()) == 50_000
+    return path
+
+
+def load(source, model_dir, **kw):
+    args = {"samples": 4, "seq_len": 32, "seed": 0} | kw
+    return load_token_ids(source, model_dir=model_dir, **args)
+
+
+def fingerprint(source, model_dir, **kw):
+    args = {"samples": 4, "seq_len": 32, "seed": 0} | kw
+    return source_fingerprint(source, model_dir=model_dir, **args)
+
+
+def test_builtin_shape_dtype_and_determinism(model_dir):
+    ids = load("builtin", model_dir, samples=8, seq_len=64, seed=3)
+    assert ids.shape == (8, 64) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < 300
+    assert torch.equal(ids, load("builtin", model_dir, samples=8, seq_len=64, seed=3))
+    assert not torch.equal(ids, load("builtin", model_dir, samples=8, seq_len=64, seed=4))
+    assert not torch.equal(ids, load("builtin", model_dir, samples=8, seq_len=64, seed=3, split="eval"))
+
+
+def test_calibration_and_eval_come_from_disjoint_text(corpus, model_dir, decode):
+    source = f"file:{corpus}"
+    n_tokens = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(corpus.read_text()[:49_000]))
+    cal = load(source, model_dir, samples=n_tokens // 16, seq_len=16)  # disjoint windows: all of it
+    assert all("QUOKKA" not in decode(row) for row in cal)
+    ev = load(source, model_dir, samples=16, seq_len=40, split="eval")
+    assert all(MARK in decode(row) for row in ev)
+
+
+def test_file_path_dir_and_comma_list_forms(tmp_path, model_dir):
+    texts = [text for _, text in builtin_texts()][:12]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "b.txt").write_text("\n".join(texts[: len(texts) // 2]))
+    (data / "a.txt").write_text("\n".join(texts[len(texts) // 2 :]))
+    (data / "notes.md").write_text("ignored: not a .txt file")
+    a, b = data / "a.txt", data / "b.txt"
+    assert torch.equal(load(f"file:{a}", model_dir), load(str(a), model_dir))
+    by_dir = load(str(data), model_dir, samples=16)
+    assert torch.equal(by_dir, load(f"file:{data}", model_dir, samples=16))
+    assert torch.equal(by_dir, load(f"file:{a}, {b}", model_dir, samples=16))  # sorted: a then b
+    assert not torch.equal(by_dir, load(f"file:{b},{a}", model_dir, samples=16))
+    assert fingerprint(str(data), model_dir) == fingerprint(f"file:{a},{b}", model_dir)
+
+
+def test_tokenizer_config_loads_with_auto_tokenizer_and_eos_joins_files(tmp_path):
+    _save_tokenizer(tmp_path, 300, special=["<eos>"])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = sources._load_tokenizer(tmp_path)
+    eos = tok.convert_tokens_to_ids("<eos>")
+    assert tok.eos_token_id == eos
+    ids = sources._tokenise(tok, ["hello world " * 20, "", "goodbye moon " * 20])
+    assert int((ids == eos).sum()) == 1  # one separator between the two non-empty texts
+    (tmp_path / "a.txt").write_text("hello world " * 200)
+    assert load(f"file:{tmp_path / 'a.txt'}", tmp_path).shape == (4, 32)
+
+
+def test_random_source_needs_no_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    ids = load("random", tmp_path, samples=3, seq_len=1000, seed=1)
+    assert ids.shape == (3, 1000) and ids.dtype == torch.int64
+    assert int(ids.min()) == 0 and int(ids.max()) == 49
+    assert torch.equal(ids, load("random", tmp_path, samples=3, seq_len=1000, seed=1))
+    assert not torch.equal(ids, load("random", tmp_path, samples=3, seq_len=1000, seed=2))
+    assert not torch.equal(ids, load("random", tmp_path, samples=3, seq_len=1000, seed=1, split="eval"))
+
+
+def test_windows_are_disjoint_when_text_suffices_and_overlap_is_logged(caplog):
+    ids = torch.arange(1003)
+    out = sources._windows(ids, 100, 10, seed=0, what="t")
+    assert out.shape == (100, 10) and out.unique().numel() == 1000
+    assert torch.equal(out[:, 1:] - out[:, :-1], torch.ones(100, 9, dtype=torch.int64))
+    with caplog.at_level(logging.INFO, logger=sources.__name__):
+        out = sources._windows(torch.arange(50), 10, 10, seed=0, what="t")
+    assert out.shape == (10, 10) and "windows overlap" in caplog.text
+
+
+def _bad_dirs(tmp_path: Path, model_dir: Path) -> dict[str, Path]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "short.txt").write_text("just a few words")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \x80")
+    (tmp_path / "noconfig").mkdir()
+    return {"empty": empty, "model": model_dir, "notok": tmp_path / "noconfig", "tmp": tmp_path}
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "kw", "match"),
+    [
+        ("builtin", "model", {"samples": 0}, "samples must be an integer >= 1, got 0"),
+        ("builtin", "model", {"seq_len": 1}, "seq_len must be an integer >= 2, got 1"),
+        ("builtin", "model", {"seed": -1}, "seed must be an integer"),
+        ("builtin", "model", {"split": "test"}, "split must be one of calibration, eval; got 'test'"),
+        ("webtext", "model", {}, "'webtext' is neither a known form.*use builtin, random, file:PATH"),
+        ("", "model", {}, "source must be a non-empty string"),
+        ("file:{tmp}/missing.txt", "model", {}, "missing.txt does not exist"),
+        ("file:{tmp}/short.txt,", "model", {}, r"expected file:PATH\[,PATH...\]"),
+        ("file:{empty}", "model", {}, "empty contains no \\*.txt files"),
+        ("file:{tmp}/binary.txt", "model", {}, "binary.txt is not UTF-8 text"),  # fingerprint: bytes only
+        (
+            "file:{tmp}/short.txt",
+            "model",
+            {},
+            r"has only \d+ tokens, fewer than seq_len \+ 1 = 33; lower seq_len",
+        ),
+        ("builtin", "notok", {}, "no tokenizer files .* in .*noconfig; .*use source: random"),
+        ("random", "notok", {}, "source: random needs .*config.json with vocab_size"),
+        ("builtin", "tmp", {"split": "eval", "seq_len": 100_000}, "lower seq_len or add text"),
+        ("hf:", "model", {}, r"expected hf:NAME\[:CONFIG\]\[@SPLIT\]"),
+    ],
+)
+def test_errors_are_one_line_and_name_the_problem(tmp_path, model_dir, source, where, kw, match):
+    dirs = _bad_dirs(tmp_path, model_dir)
+    if where == "tmp":
+        shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    source = source.format(**{k: str(v) for k, v in dirs.items()})
+    for fn in (load, fingerprint):
+        if fn is fingerprint and ("lower seq_len" in match or "UTF-8" in match):
+            continue  # only loading decodes and tokenises
+        with pytest.raises(CalibrationError, match=match) as err:
+            fn(source, dirs[where], **kw)
+        assert "\n" not in str(err.value) and isinstance(err.value, MoecompressError)
+
+
+def test_model_dir_must_exist(tmp_path):
+    with pytest.raises(CalibrationError, match=r"model_dir .*nowhere is not a directory"):
+        load("builtin", tmp_path / "nowhere")
+
+
+def test_hf_source_without_datasets_package(model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # find_spec answers None: not installed
+    with pytest.raises(CalibrationError, match="hf:wikitext@train needs the `datasets` package: pip install"):
+        load("hf:wikitext", model_dir)
+
+
+def _fake_datasets(monkeypatch, load_dataset) -> None:
+    fake = types.ModuleType("datasets")
+    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+
+
+def test_hf_source_offline_and_text_column(model_dir, monkeypatch):
+    def offline(name, config, split):
+        raise ConnectionError("Couldn't reach the Hub\nmore detail")
+
+    _fake_datasets(monkeypatch, offline)
+    with pytest.raises(CalibrationError, match="could not load Hugging Face dataset hf:wiki:raw@test") as err:
+        load("hf:wiki:raw@test", model_dir)
+    assert "\n" not in str(err.value) and "use source: builtin or file:PATH" in str(err.value)
+
+    seen = []
+    rows = [text for _, text in builtin_texts()]
+
+    class Data(dict):
+        column_names = property(lambda self: list(self))
+
+    def ok(name, config, split):
+        seen.append((name, config, split))
+        return Data(text=rows) if name == "org/good" else Data(content=rows)
+
+    _fake_datasets(monkeypatch, ok)
+    ids = load("hf:org/good", model_dir)
+    assert ids.shape == (4, 32) and seen[-1] == ("org/good", None, "train")
+    assert fingerprint("hf:org/good", model_dir) != fingerprint("hf:org/good@validation", model_dir)
+    with pytest.raises(CalibrationError, match=r"no 'text' column \(columns: \['content'\]\)"):
+        load("hf:org/bad", model_dir)
+
+
+def test_fingerprint_is_stable_and_sensitive(corpus, model_dir, tmp_path, monkeypatch):
+    source = f"file:{corpus}"
+    base = fingerprint(source, model_dir)
+    assert len(base) == 16 and int(base, 16) >= 0
+    assert base == fingerprint(source, model_dir)
+    assert base == fingerprint(str(corpus), model_dir)
+    for kw in ({"seed": 1}, {"seq_len": 33}, {"samples": 5}, {"split": "eval"}):
+        assert fingerprint(source, model_dir, **kw) != base, kw
+    assert fingerprint("builtin", model_dir) != base
+
+    other = tmp_path / "other_model"
+    other.mkdir()
+    _save_tokenizer(other, 280)
+    assert fingerprint(source, other) != base
+
+    text = corpus.read_text()
+    corpus.write_text(text[:100] + text[100:].replace("a", "e", 1))  # same size, one byte differs
+    assert fingerprint(source, model_dir) != base
+
+    def no_tokenising(*a, **k):
+        raise AssertionError("the fingerprint must not tokenise")
+
+    monkeypatch.setattr(sources, "_load_tokenizer", no_tokenising)
+    monkeypatch.setattr(sources, "_tokenise", no_tokenising)
+    fingerprint(source, model_dir)
+    fingerprint("builtin", model_dir)
+
+
+def test_random_fingerprint_follows_vocab_size(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    first = fingerprint("random", tmp_path)
+    assert first == fingerprint("random", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 51}))
+    assert fingerprint("random", tmp_path) != first
+
+
+@pytest.mark.shared
+def test_shared_python_docs_with_reference_tokenizer():
+    corpus = SHARED / "data" / "corpus" / "python_docs.txt"
+    ref = SHARED / "data" / "models" / "ref-qwen3moe"
+    if not (corpus.is_file() and (ref / "tokenizer.json").is_file()):
+        pytest.skip("../shared reference data is absent")
+    vocab = json.loads((ref / "config.json").read_text())["vocab_size"]
+    # The eval split (last 2%, ~220 kB) keeps this fast; the 98% split costs 4-10 s of tokenising here.
+    ids = load_token_ids(f"file:{corpus}", model_dir=ref, samples=16, seq_len=256, seed=0, split="eval")
+    assert ids.shape == (16, 256) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < vocab
+    text = Tokenizer.from_file(str(ref / "tokenizer.json")).decode(ids[0].tolist())
+    assert text[10:-10] in corpus.read_text()  # real text from the corpus, not id soup
