@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from moecompress.calibration.stats import StatsCollector, backward_needed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from moecompress.calibration.stats import StatsCollector, backward_needed
 from moecompress.ir import MoELayer
 from moecompress.skeleton import Skeleton
 

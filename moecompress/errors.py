@@ -12,6 +12,10 @@ class MoecompressError(Exception):
 
     exit_code = 2
 
+    def __str__(self) -> str:
+        # Messages are one line by contract; user input (paths, keys) may carry newlines.
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
 
 class CheckpointError(MoecompressError):
     """A checkpoint directory, shard or index is missing, unreadable or inconsistent."""

@@ -119,6 +119,16 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
+def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> None:
+    """Fail in the dry run on a bad source, a missing tokenizer or an unusable cache directory."""
+    from moecompress.calibration.sources import source_fingerprint
+
+    c = recipe.calibration
+    source_fingerprint(c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed)
+    if c.cache_dir is not None and Path(c.cache_dir).exists() and not Path(c.cache_dir).is_dir():
+        raise RecipeError(f"calibration.cache_dir: {c.cache_dir!r} exists and is not a directory")
+
+
 def _token_ids(recipe: Recipe, ckpt: Checkpoint) -> tuple[torch.Tensor, str]:
     from moecompress.calibration.sources import load_token_ids, source_fingerprint
 
@@ -217,6 +227,11 @@ def apply(
         raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
     ckpt = _open(rec)
     plan = dry_run(rec, ckpt)
+    _check_calibration_source(rec, ckpt)
+    if resume:
+        from moecompress.layer_loop import check_resumable
+
+        check_resumable(rec)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
     ids, fingerprint = _token_ids(rec, ckpt)
@@ -251,6 +266,7 @@ def calibrate(recipe, overrides=(), *, progress: bool = True) -> Path:
     rec = _coerce(recipe, overrides)
     ckpt = _open(rec)
     dry_run(rec, ckpt)
+    _check_calibration_source(rec, ckpt)
     ids, fingerprint = _token_ids(rec, ckpt)
     entry, _ = calibrate_stats(rec, ckpt, ids, fingerprint, progress=progress)
     return entry

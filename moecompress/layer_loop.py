@@ -87,6 +87,22 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def check_resumable(rec: Recipe) -> dict:
+    """The journal of an interrupted run of this recipe, or a ResumeError (before any work)."""
+    out = Path(rec.output)
+    staging = out.parent / f".{out.name}.partial"
+    journal = staging / JOURNAL
+    if not journal.is_file():
+        raise ResumeError(f"nothing to resume: no journal in {staging}; run without --resume")
+    try:
+        j = json.loads(journal.read_text())
+    except json.JSONDecodeError:
+        raise ResumeError(f"{journal} is damaged; run without --resume") from None
+    if j.get("recipe") != rec.fingerprint():
+        raise ResumeError(f"{staging} belongs to a different recipe; run without --resume")
+    return j
+
+
 class _Run:
     def __init__(self, rec: Recipe, ckpt: Checkpoint, entry: Path, plans: dict, resume: bool) -> None:
         self.rec, self.ckpt, self.entry, self.plans = rec, ckpt, entry, plans
@@ -102,13 +118,8 @@ class _Run:
         from moecompress.executor import compute_dtype
 
         self.dtype = compute_dtype(rec, ckpt)
-        journal = self.staging / JOURNAL
         if resume:
-            if not journal.is_file():
-                raise ResumeError(f"nothing to resume: no journal in {self.staging}; run without --resume")
-            j = json.loads(journal.read_text())
-            if j.get("recipe") != rec.fingerprint():
-                raise ResumeError(f"{self.staging} belongs to a different recipe; run without --resume")
+            j = check_resumable(rec)
         else:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging.mkdir(parents=True)

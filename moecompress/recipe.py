@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moecompress.errors import RecipeError
 from moecompress.registry import PassConfig, PassSpec, available_passes, get_pass
@@ -95,6 +95,14 @@ class _RecipeModel(BaseModel):
     max_shard_size: int | str = "5GB"
     steps: list[Any] = Field(min_length=1)
 
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, value: int | str) -> int | str:
+        from moecompress.io.writer import parse_size
+
+        parse_size(value)  # raises ValueError with the accepted forms
+        return value
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -139,12 +147,14 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
 def _explain(err: ValidationError, where: str, model: type[BaseModel]) -> RecipeError:
     errors = err.errors()
     e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])  # typos first
-    loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    loc = ".".join(str(x) for x in e["loc"]) if e["loc"] else "(top level)"
     allowed = list(model.model_fields)
     if e["type"] == "extra_forbidden":
         field = str(e["loc"][-1])
         owner = CalibrationConfig if e["loc"][0] == "calibration" and model is _RecipeModel else model
         options = list(owner.model_fields)
+        if not options:
+            return RecipeError(f"{where}: unknown field {loc!r}; this step takes no settings (use {{}})")
         return RecipeError(
             f"{where}: unknown field {loc!r}{_suggest(field, options)}; allowed: {', '.join(options)}"
         )
@@ -192,7 +202,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any]) -> dict[str, Any]:
     """Apply ``key=value`` overrides (or a ``{dotted.key: value}`` mapping) to a raw recipe dict."""
     items = (
-        [(k.split("."), v) for k, v in overrides.items()]
+        [(str(k).split("."), v) for k, v in overrides.items()]
         if isinstance(overrides, Mapping)
         else [_parse_override(o) for o in overrides]
     )

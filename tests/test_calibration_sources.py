@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from moecompress.calibration import CalibrationError, load_token_ids, source_fingerprint, sources
-from moecompress.calibration.builtin_text import builtin_texts
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moecompress.calibration import CalibrationError, load_token_ids, source_fingerprint, sources
+from moecompress.calibration.builtin_text import builtin_texts
 from moecompress.errors import MoecompressError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

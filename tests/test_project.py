@@ -27,3 +27,13 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_docs_list_every_statistic_and_builtin_step():
+    from moecompress.calibration.stats import CATALOGUE
+    from moecompress.registry import available_passes
+
+    doc = (ROOT / "docs" / "recipes.md").read_text()
+    missing = [name for name in CATALOGUE if f"`{name}`" not in doc]
+    assert missing == []
+    assert all(f"`{p}`" in doc for p in available_passes() if not p.startswith("test_"))
