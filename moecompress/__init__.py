@@ -47,6 +47,13 @@ def apply(recipe, overrides=(), *, dry_run=False, resume=False, overwrite=False,
     )
 
 
+def load(path, *, dtype=None, device="cpu"):
+    """Load a checkpoint written by moecompress (stock or compressed) as a transformers model."""
+    from moecompress.runtime.loading import load as _load
+
+    return _load(path, dtype=dtype, device=device)
+
+
 def calibrate(recipe, overrides=(), *, progress=True):
     """Compute (or find cached) calibration statistics only; returns the cache entry directory."""
     from moecompress.executor import calibrate as _calibrate
@@ -72,6 +79,7 @@ __all__ = [
     "__version__",
     "apply",
     "calibrate",
+    "load",
     "moe_forward",
     "open_checkpoint",
     "rewrite_checkpoint",

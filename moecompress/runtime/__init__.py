@@ -1,2 +1,5 @@
-"""Loading compressed checkpoints through transformers (quantizer registration); added with the
-compressed layouts."""
+"""Loading checkpoints written by moecompress (stock or compressed) as transformers models."""
+
+from moecompress.runtime.loading import load
+
+__all__ = ["load"]
