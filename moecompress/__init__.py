@@ -24,6 +24,12 @@ from moecompress.reference import moe_forward, route
 
 __version__ = "0.1.0"
 
+# `import moecompress` lets plain `AutoModelForCausalLM.from_pretrained` load moecompress-format
+# checkpoints, through transformers' public quantizer registration (no patching).
+from moecompress.runtime.quantizer import register as _register_quantizer
+
+_register_quantizer()
+
 
 def apply(recipe, overrides=(), *, dry_run=False, resume=False, overwrite=False, progress=True, **fields):
     """Run a recipe (path, dict or :class:`~moecompress.recipe.Recipe`) and return a ``RunResult``.

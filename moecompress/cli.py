@@ -78,6 +78,45 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moecompress.evaluate import EvaluationError, evaluate
+
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars
+    result = evaluate(
+        args.model,
+        against=args.against,
+        texts=args.text,
+        max_tokens=args.max_tokens,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        device=args.device,
+        progress=not args.quiet,
+    )
+    text = json.dumps(result, indent=2)
+    if args.json:
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as err:
+            raise EvaluationError(f"cannot write --json {args.json}: {err.strerror}") from None
+    print(text)
+    return 0
+
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    from moecompress.io.push import push
+
+    token = args.token or os.environ.get("HF_TOKEN") or None
+    summary = push(args.path, args.repo_id, private=args.private, dry_run=args.dry_run, token=token)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _size(text: str) -> int:
     from moecompress.io.writer import parse_size
 
@@ -123,6 +162,42 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     rw.set_defaults(func=_cmd_rewrite)
+
+    ev = sub.add_parser("eval", help="perplexity, tokens/s and KL / top-1 vs a base on held-out text (JSON)")
+    ev.add_argument("model", help="checkpoint directory or Hub repo id (with tokenizer files)")
+    ev.add_argument(
+        "--against", metavar="BASE", help="base checkpoint: adds kl, top1_agreement, base_perplexity"
+    )
+    ev.add_argument(
+        "--text",
+        action="append",
+        metavar="FILE",
+        help="text file or directory of *.txt (repeatable; default builtin); only its last 2%% is used",
+    )
+    ev.add_argument("--max-tokens", type=int, default=8192, help="tokens to evaluate at most (default 8192)")
+    ev.add_argument("--seq-len", type=int, default=256, help="window length in tokens (default 256)")
+    ev.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    ev.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="load the models in this dtype"
+    )
+    ev.add_argument("--device", default="cpu", help="device to load the models on (default cpu)")
+    ev.add_argument("--json", metavar="OUT", help="also write the JSON result to this file")
+    ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ev.set_defaults(func=_cmd_eval)
+
+    pu = sub.add_parser("push", help="upload a checkpoint directory (+ model card) to the Hugging Face Hub")
+    pu.add_argument("path", help="checkpoint directory (e.g. the output of `moecompress apply`)")
+    pu.add_argument("--repo-id", required=True, metavar="ID", help="Hub repo id, owner/name")
+    pu.add_argument("--private", action="store_true", help="create the repo as private")
+    pu.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no upload: copy exactly what would be uploaded into PATH.push-preview",
+    )
+    pu.add_argument(
+        "--token", help="Hub token (default: $HF_TOKEN; prefer the variable, arguments show in `ps`)"
+    )
+    pu.set_defaults(func=_cmd_push)
     return p
 
 

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from moecompress.calibration.cache import load_layer
 from moecompress.errors import MoecompressError, PassError, ResumeError
 from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.format import config_with_layers, encode_layer, layer_shape
 from moecompress.io.writer import ShardWriter, move_into_place
 from moecompress.ir import MoELayer
 from moecompress.recipe import Recipe, Step
@@ -126,12 +127,16 @@ class _Run:
         self.writers = {
             n: ShardWriter(d, max_shard_size=rec.max_shard_size, staged=True) for n, d in self.dirs.items()
         }
+        self.descs: dict[int, dict[int, dict | None]] = {n: {} for n in self.writers}
+        self.shapes: dict[int, dict[int, list[int]]] = {n: {} for n in self.writers}
         if resume:
             for n, w in self.writers.items():
                 w.restore(j["writers"][str(n)])
             self.rows = {int(k): v for k, v in j["rows"].items()}
             self.infos = {int(k): {int(i): x for i, x in v.items()} for k, v in j["infos"].items()}
             self.start_group = int(j["done_group"]) + 1
+            self.descs = {int(n): {int(i): d for i, d in v.items()} for n, v in j["descs"].items()}
+            self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
 
     def save_journal(self, done_group: int) -> None:
         _write_json_atomic(
@@ -142,6 +147,8 @@ class _Run:
                 "writers": {str(n): w.state() for n, w in self.writers.items()},
                 "rows": {str(k): v for k, v in self.rows.items()},
                 "infos": {str(k): {str(i): x for i, x in v.items()} for k, v in self.infos.items()},
+                "descs": {str(n): {str(i): d for i, d in v.items()} for n, v in self.descs.items()},
+                "shapes": {str(n): {str(i): d for i, d in v.items()} for n, v in self.shapes.items()},
             },
         )
 
@@ -173,7 +180,10 @@ class _Run:
             self.rows[step.number].append(row)
             self.infos[step.number][idx] = json_safe(info)
             if step.number in self.writers:
-                self.writers[step.number].add_many(self.ckpt.adapter.layer_tensors(new))
+                tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, new)
+                self.shapes[step.number][idx] = layer_shape(new)
+                self.writers[step.number].add_many(tensors)
+                del tensors
             self.seconds[step.number] += secs
             self.peak[step.number] = max(self.peak[step.number], rss_mb())
             layer = new
@@ -201,12 +211,34 @@ class _Run:
                 for w in self.writers.values():
                     w.add_many(tensors)
 
+    def _write_card(self, run: dict) -> None:
+        from moecompress.io.card import write_model_card
+
+        final = max(self.writers)
+        write_model_card(self.staging, **_card_kwargs(run, self.ckpt, self.descs[final], self.out.name))
+
     def finish(self, calib: dict, started: float, dry: dict) -> dict:
+        from moecompress import __version__
+
         for n, w in self.writers.items():
             w.commit()
             for f in self.ckpt.non_weight_files():
-                shutil.copy2(f, self.dirs[n] / f.name)
+                if f.name != "README.md":  # the base model's card describes the base, not this output
+                    shutil.copy2(f, self.dirs[n] / f.name)
             (self.dirs[n] / "recipe.yaml").write_text(self.rec.to_yaml())
+            provenance = {
+                "version": __version__,
+                "recipe_hash": self.rec.fingerprint(),
+                "steps": [s.name for s in self.rec.steps if s.number <= n],
+            }
+            cfg = config_with_layers(
+                self.ckpt.raw_config,
+                self.descs[n],
+                self.shapes[n],
+                adapter=self.ckpt.adapter,
+                provenance=provenance,
+            )
+            _write_json_atomic(self.dirs[n] / "config.json", cfg)
         steps, warnings = [], []
         for step in self.rec.steps:
             extra = step.spec.summarize(self.infos[step.number], step.config) if step.spec.summarize else {}
@@ -241,8 +273,6 @@ class _Run:
                     "seconds": report["seconds"],
                 }
             )
-        from moecompress import __version__
-
         run = {
             "recipe": self.rec.to_dict(),
             "model": self.rec.model,
@@ -259,9 +289,22 @@ class _Run:
         if not self.writers:
             (self.staging / "recipe.yaml").write_text(self.rec.to_yaml())
         write_run_report(self.staging, run)
+        if self.writers:
+            self._write_card(run)
         (self.staging / JOURNAL).unlink(missing_ok=True)
         move_into_place(self.staging, self.out)
         return run
+
+
+def _card_kwargs(run: dict, ckpt: Checkpoint, descs: dict, name: str) -> dict:
+    readme = ckpt.path / "README.md"
+    return {
+        "run": run,
+        "base_config": ckpt.raw_config,
+        "base_card": readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else None,
+        "loadability": "moecompress" if any(descs.values()) else "stock",
+        "name": name,
+    }
 
 
 def run_layer_loop(

@@ -139,17 +139,9 @@ def moe_forward(layer: MoELayer, x: torch.Tensor, observer: Observer | None = No
     logits, ids, weights = _route(layer, x)
     if observer is not None:
         observer.on_route(logits, ids, weights)
-    phys = ids if layer.expert_map is None else layer.expert_map.to(ids.device)[ids]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for p in torch.unique(phys).tolist():
-        tok, slot = torch.where(phys == p)
-        seen: list[torch.Tensor] = []
-        y = expert_forward(layer.experts, p, x[tok], None if observer is None else seen.append)
-        if observer is not None:
-            observer.on_expert(p, tok, slot, seen[0], y)
-        out.index_add_(0, tok, y.float() * weights[tok, slot, None])
+    out = experts_forward(layer.experts, x, ids, weights, layer.expert_map, observer)
     if layer.shared is not None:
-        seen = []
+        seen: list[torch.Tensor] = []
         s = expert_forward(layer.shared, 0, x, None if observer is None else seen.append)
         if observer is not None:
             observer.on_shared(seen[0], s)
@@ -158,3 +150,26 @@ def moe_forward(layer: MoELayer, x: torch.Tensor, observer: Observer | None = No
             s = s * torch.sigmoid(F.linear(x.float(), layer.shared_gate.float()))
         out = out + s
     return out.to(x.dtype)
+
+
+def experts_forward(
+    bank: ExpertBank,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    observer: Observer | None = None,
+) -> torch.Tensor:
+    """Weighted sum of the routed experts, fp32 ``[T, H]``: ``sum_k weights[t, k] * E_{ids[t, k]}(x_t)``.
+
+    ``ids`` are logical expert ids; ``expert_map`` maps them to physical experts of ``bank``."""
+    phys = ids if expert_map is None else expert_map.to(ids.device)[ids]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for p in torch.unique(phys).tolist():
+        tok, slot = torch.where(phys == p)
+        seen: list[torch.Tensor] = []
+        y = expert_forward(bank, p, x[tok], None if observer is None else seen.append)
+        if observer is not None:
+            observer.on_expert(p, tok, slot, seen[0], y)
+        out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
+    return out

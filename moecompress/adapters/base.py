@@ -73,7 +73,7 @@ class Adapter:
     def moe_layer_indices(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         raise NotImplementedError
 
     def layer_prefix(self, i: int) -> str:
@@ -91,6 +91,29 @@ class Adapter:
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
         """On-disk tensors of a canonical layer (hub names unless ``fused``)."""
         raise NotImplementedError
+
+    def router_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
+        """The stock-named tensors of everything but the routed experts (router, biases, shared expert)."""
+        raise NotImplementedError
+
+    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+        """Names of the tensors :meth:`router_tensors` writes for layer ``i``."""
+        raise NotImplementedError
+
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
+        """``MoELayer`` fields other than the routed experts, from the tensors named by :meth:`router_keys`."""
+        raise NotImplementedError
+
+    def config_spellings(self, key: str) -> list[str]:
+        """Every config.json spelling of attribute ``key`` (transformers' ``attribute_map`` aliases)."""
+        amap = getattr(type(self.config), "attribute_map", {}) or {}
+        real = amap.get(key, key)
+        return [real, *sorted(alias for alias, target in amap.items() if target == real)]
+
+    def experts_key(self, i: int) -> str:
+        """Key prefix of the routed experts *module* in transformers' model (memory path): compressed
+        layouts are stored under it, so transformers' own key renamings never touch them."""
+        return f"{self.layer_prefix(i)}{self.module_attr}.experts"
 
     # -- driving ---------------------------------------------------------------------------------
     def check_layer(
@@ -220,7 +243,7 @@ class PerExpertAdapter(Adapter):
         return self._expected(i, self.detect_format(i, keys))
 
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
-        p, router = self._names(i, fmt)
+        p, _ = self._names(i, fmt)
         g, u, d = self.proj
         n = self.expert_width
         if fmt == "fused":
@@ -236,51 +259,46 @@ class PerExpertAdapter(Adapter):
                 return torch.stack([per_expert.pop(k) for k in names])
 
             gate, up, down = stack(g), stack(u), stack(d)
-        rest = [f"{p}.{router}.weight"]
+        t = get(self.router_keys(i, fmt))
+        return MoELayer(
+            index=i, experts=ExpertBank(Dense(gate), Dense(up), Dense(down)), **self.router_part(i, t, fmt)
+        )
+
+    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+        p, router = self._names(i, fmt)
+        keys = [f"{p}.{router}.weight"]
         if self.has_score_bias:
-            rest.append(f"{p}.{router}.e_score_correction_bias")
+            keys.append(f"{p}.{router}.e_score_correction_bias")
         if self.shared_name:
-            rest += [f"{p}.{self.shared_name}.{q}.weight" for q in ("gate_proj", "up_proj", "down_proj")]
+            keys += [f"{p}.{self.shared_name}.{q}.weight" for q in ("gate_proj", "up_proj", "down_proj")]
         if self.shared_gate_name:
-            rest.append(f"{p}.{self.shared_gate_name}.weight")
-        t = get(rest)
+            keys.append(f"{p}.{self.shared_gate_name}.weight")
+        return keys
+
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
+        p, router = self._names(i, fmt)
+        weight = t.pop(f"{p}.{router}.weight")
         shared = None
         if self.shared_name:
             s = f"{p}.{self.shared_name}"
             shared = ExpertBank(
                 *(Dense(t.pop(f"{s}.{q}.weight")[None]) for q in ("gate_proj", "up_proj", "down_proj"))
             )
-        return MoELayer(
-            index=i,
-            router=self.router_spec(),
-            router_weight=t.pop(f"{p}.{router}.weight"),
-            experts=ExpertBank(Dense(gate), Dense(up), Dense(down)),
-            score_bias=t.pop(f"{p}.{router}.e_score_correction_bias") if self.has_score_bias else None,
-            shared=shared,
-            shared_gate=t.pop(f"{p}.{self.shared_gate_name}.weight") if self.shared_gate_name else None,
-        )
+        return {
+            "router": self.router_spec(num_experts=weight.shape[0]),
+            "router_weight": weight,
+            "score_bias": t.pop(f"{p}.{router}.e_score_correction_bias") if self.has_score_bias else None,
+            "shared": shared,
+            "shared_gate": t.pop(f"{p}.{self.shared_gate_name}.weight") if self.shared_gate_name else None,
+        }
 
-    def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
-        require_stock(layer, self.model_type)
+    def router_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
         p, router = self._names(layer.index, "fused" if fused else "hub")
-        g, u, d = self.proj
-        bank = layer.experts
-        gate = dense3(bank.gate, f"layer {layer.index} gate")
-        up = dense3(bank.up, f"layer {layer.index} up")
-        down = dense3(bank.down, f"layer {layer.index} down")
         out: dict[str, torch.Tensor] = {f"{p}.{router}.weight": layer.router_weight}
         if self.has_score_bias:
             if layer.score_bias is None:
                 raise LayoutError(f"{self.model_type} layer {layer.index}: score_bias is required")
             out[f"{p}.{router}.e_score_correction_bias"] = layer.score_bias
-        if fused:
-            out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-            out[f"{p}.experts.down_proj"] = down
-        else:
-            for x in range(bank.num_experts):
-                out[f"{p}.experts.{x}.{g}.weight"] = gate[x].clone()
-                out[f"{p}.experts.{x}.{u}.weight"] = up[x].clone()
-                out[f"{p}.experts.{x}.{d}.weight"] = down[x].clone()
         if self.shared_name:
             if layer.shared is None:
                 raise LayoutError(f"{self.model_type} layer {layer.index}: the shared expert is required")
@@ -291,4 +309,23 @@ class PerExpertAdapter(Adapter):
                 out[f"{s}.{q}.weight"] = dense3(lay, f"layer {layer.index} shared {q}")[0].clone()
         if self.shared_gate_name:
             out[f"{p}.{self.shared_gate_name}.weight"] = layer.shared_gate
+        return out
+
+    def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+        require_stock(layer, self.model_type)
+        p, _ = self._names(layer.index, "fused" if fused else "hub")
+        g, u, d = self.proj
+        bank = layer.experts
+        gate = dense3(bank.gate, f"layer {layer.index} gate")
+        up = dense3(bank.up, f"layer {layer.index} up")
+        down = dense3(bank.down, f"layer {layer.index} down")
+        out = self.router_tensors(layer, fused=fused)
+        if fused:
+            out[f"{p}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+            out[f"{p}.experts.down_proj"] = down
+        else:
+            for x in range(bank.num_experts):
+                out[f"{p}.experts.{x}.{g}.weight"] = gate[x].clone()
+                out[f"{p}.experts.{x}.{u}.weight"] = up[x].clone()
+                out[f"{p}.experts.{x}.{d}.weight"] = down[x].clone()
         return out

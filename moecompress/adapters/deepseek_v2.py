@@ -31,7 +31,7 @@ class DeepseekV2Adapter(PerExpertAdapter):
     def is_moe_layer(self, i: int) -> bool:
         return int(self.config.first_k_dense_replace) <= i < self.num_layers
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         cfg = self.config
         method = getattr(cfg, "topk_method", "greedy")
         if method not in ("greedy", "group_limited_greedy"):
@@ -41,7 +41,7 @@ class DeepseekV2Adapter(PerExpertAdapter):
             )
         grouped = method == "group_limited_greedy"
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=int(cfg.num_experts_per_tok),
             gating=Gating.SOFTMAX_TOPK,
             norm_topk=False,

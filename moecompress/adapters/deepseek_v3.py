@@ -14,11 +14,11 @@ class DeepseekV3Adapter(DeepseekV2Adapter):
     model_type = "deepseek_v3"
     has_score_bias = True
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         cfg = self.config
         grouped = cfg.n_group is not None
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=int(cfg.num_experts_per_tok),
             gating=Gating.SIGMOID,
             norm_topk=bool(cfg.norm_topk_prob),

@@ -23,9 +23,9 @@ class GptOssAdapter(Adapter):
     width_key = "intermediate_size"
     module_returns_tuple = True
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=int(self.config.num_experts_per_tok),
             gating=Gating.TOPK_SOFTMAX,
         )
@@ -42,6 +42,17 @@ class GptOssAdapter(Adapter):
             f"{p}.experts.gate_up_proj_bias": (e, 2 * n),
             f"{p}.experts.down_proj": (e, n, h),
             f"{p}.experts.down_proj_bias": (e, h),
+        }
+
+    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+        return [f"{self._p(i)}.router.weight", f"{self._p(i)}.router.bias"]
+
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
+        weight = t.pop(f"{self._p(i)}.router.weight")
+        return {
+            "router": self.router_spec(num_experts=weight.shape[0]),
+            "router_weight": weight,
+            "router_bias": t.pop(f"{self._p(i)}.router.bias"),
         }
 
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
@@ -63,13 +74,13 @@ class GptOssAdapter(Adapter):
             alpha=float(self.config.swiglu_alpha),
             limit=float(self.config.swiglu_limit),
         )
-        return MoELayer(
-            index=i,
-            router=self.router_spec(),
-            router_weight=t.pop(f"{p}.router.weight"),
-            router_bias=t.pop(f"{p}.router.bias"),
-            experts=bank,
-        )
+        return MoELayer(index=i, experts=bank, **self.router_part(i, t))
+
+    def router_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+        p = self._p(layer.index)
+        if layer.router_bias is None:
+            raise LayoutError(f"gpt_oss layer {layer.index}: the router bias is required")
+        return {f"{p}.router.weight": layer.router_weight, f"{p}.router.bias": layer.router_bias}
 
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
         # GPT-OSS's original format *is* fused, so ``fused`` changes nothing.

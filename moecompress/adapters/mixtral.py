@@ -14,9 +14,9 @@ class MixtralAdapter(PerExpertAdapter):
     disk_block = "block_sparse_moe"
     proj = ("w1", "w3", "w2")
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=int(self.config.num_experts_per_tok),
             gating=Gating.SOFTMAX_TOPK,
             norm_topk=True,

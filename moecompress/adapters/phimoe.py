@@ -18,11 +18,11 @@ class PhimoeAdapter(PerExpertAdapter):
     proj = ("w1", "w3", "w2")
     fused_router = "router"
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         if self.num_experts < 2:
             raise AdapterError("phimoe: SparseMixer routing needs at least 2 experts")
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=2,
             gating=Gating.SPARSEMIXER,
             jitter_eps=float(self.config.router_jitter_noise),

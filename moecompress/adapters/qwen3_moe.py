@@ -23,9 +23,9 @@ class Qwen3MoeAdapter(PerExpertAdapter):
             and (i + 1) % cfg.decoder_sparse_step == 0
         )
 
-    def router_spec(self) -> RouterSpec:
+    def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         return RouterSpec(
-            num_experts=self.num_experts,
+            num_experts=num_experts or self.num_experts,
             top_k=int(self.config.num_experts_per_tok),
             gating=Gating.SOFTMAX_TOPK,
             norm_topk=bool(self.config.norm_topk_prob),

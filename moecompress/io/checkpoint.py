@@ -49,12 +49,23 @@ class Checkpoint:
     def moe_layer_indices(self) -> list[int]:
         return self.adapter.moe_layer_indices
 
+    @property
+    def layouts(self) -> dict[int, dict]:
+        """Descriptions of the layers stored in the moecompress format (``docs/format.md``)."""
+        block = self.raw_config.get("moecompress") or {}
+        return {int(i): d for i, d in (block.get("layers") or {}).items() if d}
+
     def read_layer(self, i: int) -> MoELayer:
         """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
-        return self.adapter.read_layer(i, self.reader.keys, self.reader.get_many)
+        return self.read_layer_with(i, self.reader.get_many)
 
     def read_layer_with(self, i: int, fetch) -> MoELayer:
         """MoE layer ``i`` with tensors from ``fetch(names) -> {name: tensor}`` (e.g. meta tensors)."""
+        desc = self.layouts.get(i)
+        if desc is not None:
+            from moecompress.io.format import read_compressed_layer
+
+            return read_compressed_layer(self.adapter, i, desc, fetch)
         return self.adapter.read_layer(i, self.reader.keys, fetch)
 
     def moe_keys(self, i: int) -> list[str]:
@@ -101,10 +112,28 @@ def open_checkpoint(path_or_id: str | Path, *, revision: str | None = None) -> C
     config = _load_config(path)
     reader = ShardReader(path)
     adapter = cls(config)
-    moe_keys = {i: adapter.check_layer(i, reader.keys, reader.shape) for i in adapter.moe_layer_indices}
+    layouts = {int(i): d for i, d in ((raw.get("moecompress") or {}).get("layers") or {}).items() if d}
+    moe_keys = {
+        i: _check_compressed(adapter, i, layouts[i], reader)
+        if i in layouts
+        else adapter.check_layer(i, reader.keys, reader.shape)
+        for i in adapter.moe_layer_indices
+    }
     return Checkpoint(
         path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys
     )
+
+
+def _check_compressed(adapter, i: int, desc: dict, reader: ShardReader) -> list[str]:
+    from moecompress.io.format import compressed_keys
+
+    keys = [*adapter.router_keys(i), *compressed_keys(adapter, i, desc)]
+    missing = [k for k in keys if k not in reader]
+    if missing:
+        raise CheckpointError(
+            f"{adapter.model_type} layer {i}: missing tensor {missing[0]!r} (moecompress format)"
+        )
+    return keys
 
 
 def _load_config(path: Path):
@@ -134,8 +163,12 @@ def rewrite_checkpoint(
     """
     check_output_dir(dst, overwrite)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    from moecompress.io.format import config_with_layers, encode_layer, layer_shape
+
     moe = set(ckpt.moe_layer_indices)
     groups = ckpt.key_groups()
+    descs: dict[int, dict | None] = {}
+    shapes: dict[int, list[int]] = {}
     with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
         for idx, keys in tqdm(groups, desc="layers", unit="layer", disable=not progress):
             writer.make_room(sum(ckpt.reader.nbytes(k) for k in keys))
@@ -144,11 +177,25 @@ def rewrite_checkpoint(
                 layer = ckpt.read_layer(idx)
                 if fn is not None:
                     layer = fn(layer)
-                writer.add_many(ckpt.adapter.layer_tensors(layer, fused=fused))
+                if fused and idx not in ckpt.layouts:
+                    tensors, descs[idx] = ckpt.adapter.layer_tensors(layer, fused=True), None
+                else:
+                    tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
+                shapes[idx] = layer_shape(layer)
+                writer.add_many(tensors)
                 owned = set(ckpt.moe_keys(idx))
-                del layer
+                del layer, tensors
             rest = [k for k in keys if k not in owned]
             writer.add_many(ckpt.reader.get_many(rest))
         for f in ckpt.non_weight_files():
             writer.copy_file(f)
+        block = ckpt.raw_config.get("moecompress")
+        cfg = config_with_layers(
+            ckpt.raw_config,
+            descs,
+            shapes,
+            adapter=ckpt.adapter,
+            provenance=None if block is None else {k: v for k, v in block.items() if k != "layers"},
+        )
+        writer.write_json("config.json", cfg)
         return writer.commit()
