@@ -117,6 +117,14 @@ def _cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from moecompress.inspect import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(args.model, align=args.align, load=args.load)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def _size(text: str) -> int:
     from moecompress.io.writer import parse_size
 
@@ -147,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
     cal.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     cal.set_defaults(func=_cmd_calibrate)
+
+    ins = sub.add_parser(
+        "inspect", help="layouts, sizes and loadability checks of a checkpoint (exit 1 on problems)"
+    )
+    ins.add_argument("model", help="checkpoint directory or Hub repo id")
+    ins.add_argument("--align", type=int, default=None, help="require expert widths divisible by N")
+    ins.add_argument("--load", action="store_true", help="also load the model and run a 4-token forward")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.set_defaults(func=_cmd_inspect)
 
     info = sub.add_parser("info", help="describe a checkpoint: model type, MoE layers, experts, shards")
     info.add_argument("model", help="checkpoint directory or Hub repo id")

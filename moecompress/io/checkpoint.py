@@ -96,8 +96,13 @@ class Checkpoint:
         return out
 
 
-def open_checkpoint(path_or_id: str | Path, *, revision: str | None = None) -> Checkpoint:
-    """Open a local checkpoint directory or a Hub repo id (downloaded with ``huggingface_hub``)."""
+def open_checkpoint(
+    path_or_id: str | Path, *, revision: str | None = None, validate: bool = True
+) -> Checkpoint:
+    """Open a local checkpoint directory or a Hub repo id (downloaded with ``huggingface_hub``).
+
+    ``validate=False`` skips the per-layer name/shape checks (``moecompress inspect`` runs them
+    itself, collecting every problem instead of stopping at the first)."""
     path = resolve_checkpoint_dir(path_or_id, revision=revision)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -113,18 +118,20 @@ def open_checkpoint(path_or_id: str | Path, *, revision: str | None = None) -> C
     reader = ShardReader(path)
     adapter = cls(config)
     layouts = {int(i): d for i, d in ((raw.get("moecompress") or {}).get("layers") or {}).items() if d}
-    moe_keys = {
-        i: _check_compressed(adapter, i, layouts[i], reader)
-        if i in layouts
-        else adapter.check_layer(i, reader.keys, reader.shape)
-        for i in adapter.moe_layer_indices
-    }
+    moe_keys = (
+        {i: check_moe_layer(adapter, i, layouts.get(i), reader) for i in adapter.moe_layer_indices}
+        if validate
+        else {}
+    )
     return Checkpoint(
         path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys
     )
 
 
-def _check_compressed(adapter, i: int, desc: dict, reader: ShardReader) -> list[str]:
+def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> list[str]:
+    """Validate MoE layer ``i`` from headers (stock names, or the moecompress format when described)."""
+    if desc is None:
+        return adapter.check_layer(i, reader.keys, reader.shape)
     from moecompress.io.format import compressed_keys
 
     keys = [*adapter.router_keys(i), *compressed_keys(adapter, i, desc)]
