@@ -402,7 +402,7 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(rp.os, "replace", broken_replace)
+    monkeypatch.setattr("moecompress.report_plots.os.replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         write_run_report(tmp_path, {"steps": []})
     assert (tmp_path / "report.json").read_text() == '{"old": true}'
