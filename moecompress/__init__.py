@@ -60,6 +60,14 @@ def load(path, *, dtype=None, device="cpu"):
     return _load(path, dtype=dtype, device=device)
 
 
+def evaluate(model, *, against=None, texts=None, max_tokens=8192, seq_len=256, **kwargs):
+    """Perplexity, tokens/s and, with ``against``, KL and top-1 agreement on held-out text (a JSON-able
+    dict); see :func:`moecompress.evaluation.evaluate`."""
+    from moecompress.evaluation import evaluate as _evaluate
+
+    return _evaluate(model, against=against, texts=texts, max_tokens=max_tokens, seq_len=seq_len, **kwargs)
+
+
 def calibrate(recipe, overrides=(), *, progress=True):
     """Compute (or find cached) calibration statistics only; returns the cache entry directory."""
     from moecompress.executor import calibrate as _calibrate
@@ -85,6 +93,7 @@ __all__ = [
     "__version__",
     "apply",
     "calibrate",
+    "evaluate",
     "load",
     "moe_forward",
     "open_checkpoint",

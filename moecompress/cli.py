@@ -81,7 +81,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moecompress.evaluate import EvaluationError, evaluate
+    from moecompress.evaluation import EvaluationError, evaluate
 
     if args.quiet:
         from transformers.utils import logging as hf_logging

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from moecompress.calibration.builtin_text import builtin_texts
 from moecompress.cli import main as cli_main
 from moecompress.errors import MoecompressError
-from moecompress.evaluate import _windows, evaluate, held_out_ids
+from moecompress.evaluation import _windows, evaluate, held_out_ids
 from moecompress.runtime.loading import load
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

@@ -414,7 +414,7 @@ def model_card(
 
     ``run`` is the run report (``report.json``); ``base_config`` the base model's ``config.json``
     (architecture line, experts per layer); ``base_card`` the base repo's ``README.md`` text (its
-    ``license`` is inherited); ``evaluation`` the dict :func:`moecompress.evaluate.evaluate` returns
+    ``license`` is inherited); ``evaluation`` the dict :func:`moecompress.evaluate` returns
     (with ``against=`` the base: perplexity of both, KL, top-1 agreement, tokens/s) or
     ``{"rows": [{"model": "base", "perplexity": ...}, {"model": ..., "kl": ...}], <scalar info>...}``;
     ``loadability``

@@ -1,7 +1,11 @@
-"""Resolve a checkpoint argument: a local directory, or a Hugging Face Hub repo id.
+"""Resolve a checkpoint argument: a local directory, a bundled model, or a Hugging Face Hub repo id.
 
-Only safetensors weights, JSON configs and tokenizer files are downloaded; pickle weights
-(``*.bin``, ``*.pt``) and remote code are never fetched.
+``moecompress:NAME`` names a small model shipped inside the package (``moecompress/data/``), so the
+quickstart runs on a fresh clone with no network: ``moecompress:quickstart`` is a 2.3M-parameter
+Qwen3-MoE (see ``scripts/train_tiny_moe.py``).
+
+From the Hub, only safetensors weights, JSON configs and tokenizer files are downloaded; pickle
+weights (``*.bin``, ``*.pt``) and remote code are never fetched.
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from pathlib import Path
 from moecompress.errors import CheckpointError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+BUNDLED_PREFIX = "moecompress:"
+BUNDLED = {"quickstart": "quickstart-qwen3moe"}  # moecompress:NAME -> folder in moecompress/data/
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.md"]
 
 
 def resolve_checkpoint_dir(path_or_id: str | Path, *, revision: str | None = None) -> Path:
     """Return a local directory for ``path_or_id``, downloading a Hub snapshot if needed."""
+    if isinstance(path_or_id, str) and path_or_id.startswith(BUNDLED_PREFIX):
+        return bundled_model_dir(path_or_id[len(BUNDLED_PREFIX) :])
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -37,3 +45,19 @@ def resolve_checkpoint_dir(path_or_id: str | Path, *, revision: str | None = Non
             "your network and HF_TOKEN."
         ) from None
     return Path(local)
+
+
+def bundled_model_dir(name: str) -> Path:
+    """The directory of the bundled model ``moecompress:NAME`` inside the installed package."""
+    if name not in BUNDLED:
+        known = ", ".join(BUNDLED_PREFIX + n for n in sorted(BUNDLED))
+        raise CheckpointError(
+            f"unknown bundled model {BUNDLED_PREFIX}{name}; the bundled models are: {known}"
+        )
+    path = Path(__file__).resolve().parent.parent / "data" / BUNDLED[name]
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"the bundled model {BUNDLED_PREFIX}{name} is missing from this installation ({path}); "
+            "reinstall moecompress with its package data, or pass a checkpoint directory"
+        )
+    return path

@@ -36,7 +36,6 @@ import json
 import math
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -328,17 +327,3 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
-
-
-class _CallableModule(types.ModuleType):
-    """``moecompress.evaluate`` is both this module and the package's ``evaluate`` function.
-
-    Importing a submodule binds it as an attribute of its package, replacing a package-level function
-    of the same name; making the module callable keeps ``mc.evaluate(...)`` working either way.
-    """
-
-    def __call__(self, *args, **kwargs) -> dict:
-        return evaluate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,1 @@
+"""Models bundled with the package, named ``moecompress:NAME`` (see :mod:`moecompress.io.hub`)."""
