@@ -17,8 +17,15 @@ output folder records every one of them, the versions and the command line):
 - Model: fp32 weights during training; ``--max-mb`` (5 MB = 5,000,000 bytes) bounds the whole output
   folder in bf16 and is checked before training starts and again after saving.
 - Optimiser: AdamW (betas 0.9/0.95, weight decay on matrices only), linear warm-up then cosine decay
-  to ``--min-lr-ratio`` × ``--lr`` at ``--steps``, gradient clipping at 1.0, the router's
-  load-balancing loss (``--aux-loss-coef``) added to the next-token loss.
+  to ``--min-lr-ratio`` × ``--lr`` at ``--steps``, gradient clipping at 1.0, and
+  ``--aux-loss-coef`` × a load-balancing loss added to the next-token loss. The balancing loss is the
+  Switch-Transformer one computed *per layer* and averaged (:func:`balance_loss`), not transformers'
+  ``load_balancing_loss_func``: that one pools the routing counts of all layers, so it is satisfied
+  when one layer sends every token to an expert that the other layers never use. (A first run with
+  it left expert 5 dead in layers 1 and 2 and picked by 99% of tokens in layer 3.)
+- Threads: ``--threads 1``. On the shared 2-core machine the model was trained on, one thread ran a
+  step 3-8x faster than two (other jobs kept the load near 6, and two OpenMP threads then mostly
+  wait for each other); on an idle machine ``--threads 2`` is somewhat faster.
 - ``--seconds`` is a wall-clock cap: training stops early (before the schedule ends) if it is
   reached, and ``training.json`` says so. The weights then depend on the machine's speed; runs that
   finish their ``--steps`` are reproducible on the same software versions and thread count.
@@ -68,10 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="../shared/data/tokenizer-bpe4096.json", help="tokenizer.json file")
     p.add_argument("--out", default="moecompress/data/quickstart-qwen3moe", help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace the model files already in --out")
-    p.add_argument("--steps", type=int, default=300, help="optimiser steps (the cosine schedule's length)")
+    p.add_argument("--steps", type=int, default=900, help="optimiser steps (the cosine schedule's length)")
     p.add_argument("--seconds", type=float, default=600.0, help="wall-clock cap for the training loop")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the module docstring)")
     # sizes
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -182,6 +189,18 @@ def expected_bytes(model: torch.nn.Module, tokenizer_file: Path) -> int:
     return weights + header + tokenizer_file.stat().st_size + 16_384
 
 
+def balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss per layer, averaged over layers; ``top_k`` when balanced."""
+    losses = []
+    for logits in router_logits:
+        probs = logits.float().softmax(dim=-1)  # [tokens, experts]
+        experts = probs.shape[-1]
+        chosen = probs.topk(top_k, dim=-1).indices
+        fraction = F.one_hot(chosen, experts).float().sum(dim=1).mean(dim=0)  # sums to top_k
+        losses.append(experts * (fraction * probs.mean(dim=0)).sum())
+    return torch.stack(losses).mean()
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -263,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.arange(args.seq_len + 1)
-    model.config.output_router_logits = True
     model.train()
     log: list[dict] = []
     start = time.perf_counter()
@@ -276,34 +294,38 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, train.numel() - args.seq_len - 1, (args.batch,), generator=gen)
         w = train[starts[:, None] + offsets]
-        res = model(input_ids=w[:, :-1], use_cache=False)
+        res = model(input_ids=w[:, :-1], use_cache=False, output_router_logits=True)
         lm = F.cross_entropy(res.logits.flatten(0, 1), w[:, 1:].flatten())
-        loss = lm + args.aux_loss_coef * res.aux_loss
+        aux = balance_loss(res.router_logits, args.top_k)
+        loss = lm + args.aux_loss_coef * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         step += 1
         if step % args.eval_every == 0 or step == args.steps:
-            model.config.output_router_logits = False
             ppl = evaluate(model, quick, args.batch)
-            model.config.output_router_logits = True
             t = time.perf_counter() - start
             log.append(
-                {"step": step, "t": round(t), "loss": round(float(lm), 3), "val_ppl_quick": round(ppl, 1)}
+                {
+                    "step": step,
+                    "t": round(t),
+                    "loss": round(lm.item(), 3),
+                    "aux": round(aux.item(), 3),
+                    "val_ppl_quick": round(ppl, 1),
+                }
             )
-            print(f"step {step:5d}  t {t:6.0f}s  loss {float(lm):.3f}  aux {float(res.aux_loss):.3f}  "
+            print(f"step {step:5d}  t {t:6.0f}s  loss {lm.item():.3f}  aux {aux.item():.3f}  "
                   f"lr {lr_at(step - 1, args):.2e}  val ppl (quick) {ppl:.1f}", flush=True)  # fmt: skip
     seconds = time.perf_counter() - start
     if stopped_early:
         print(f"stopped at step {step} of {args.steps}: --seconds {args.seconds} reached")
 
-    model.config.output_router_logits = False
-    ppl32 = evaluate(model, windows, args.batch)
+    ppl32 = evaluate(model, windows, 4 * args.batch)
     with torch.no_grad():  # the shipped weights: round to bf16, evaluate in fp32
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    ppl16 = evaluate(model, windows, args.batch)
+    ppl16 = evaluate(model, windows, 4 * args.batch)
     print(f"validation perplexity: {ppl16:.2f} (bf16 weights), {ppl32:.2f} (fp32); unigram {uni:.1f}")
 
     out.mkdir(parents=True, exist_ok=True)
@@ -311,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / name).unlink(missing_ok=True)
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     model.to(torch.bfloat16).save_pretrained(out)
+    (out / "model.safetensors").chmod(0o644)  # save_pretrained leaves it owner-only
     shutil.copyfile(tok_file, out / "tokenizer.json")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -339,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")},
         "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8), decay on >=2-D tensors; warm-up + cosine",
+        "balance_loss": "Switch-Transformer load-balancing loss per layer, mean over layers, x aux_loss_coef",
         "training_dtype": "float32",
         "saved_dtype": "bfloat16",
         "seed": args.seed,
