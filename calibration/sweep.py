@@ -143,6 +143,9 @@ def run_calibration(
                         mod = skel.layer(i, replacement, None)
                         outs = [mod(x, *kwargs[b][i][0], **kwargs[b][i][1]) for b, x in enumerate(hidden)]
                         del mod
+                del replacement, stats
+            # drop every reference to this layer before the next one is read: peak = one layer
+            moe = col = None
             hidden = outs
         loss = None
         if store is not None:
@@ -185,7 +188,9 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
                 out = mod(x, *args, **kw)
                 out.backward(grads[b])
             grads[b] = x.grad
-        del mod, inputs
+        # the autograd graph of `out` holds the gradient hooks, which hold the collector and the layer
+        mod = inputs = out = x = None
         if col is not None:
             save_backward(i, col.result())
+        moe = col = None
     return loss

@@ -244,15 +244,17 @@ def test_write_model_card_is_atomic(tmp_path):
 def test_dry_run_is_the_upload_folder(out, no_network):
     before = _tree(out)
     expected = _expected(out)
-    assert before["README.md"] == BASE_CARD.encode()  # the run copied the base model's card
+    # the run wrote its own card (not the base model's), inheriting the base card's license
+    assert before["README.md"] != BASE_CARD.encode()
+    assert front_matter(before["README.md"].decode())["license"] == "apache-2.0"
     assert set(upload_files(out)) == expected
     res = push(out, "me/tiny", dry_run=True)
     staging = out.parent / "out.push-preview"
-    assert res["dry_run"] is True and res["folder"] == str(staging) and res["card"] == "regenerated"
+    assert res["dry_run"] is True and res["folder"] == str(staging) and res["card"] == "existing"
     assert set(res["files"]) == expected
     assert set(_tree(staging)) == set(res["files"])  # nothing hidden, cached or partial
     assert res["bytes"] == sum(len(b) for b in _tree(staging).values())
-    assert all(_tree(staging)[f] == before[f] for f in expected - {"README.md"})
+    assert all(_tree(staging)[f] == before[f] for f in expected)
     card = (staging / "README.md").read_text()
     assert "moecompress" in front_matter(card)["tags"] and front_matter(card)["license"] == "apache-2.0"
     assert _tree(out) == before  # the original is untouched
@@ -286,7 +288,7 @@ def test_push_calls_the_client(out, fake_api):
     # huggingface_hub's own filter over the folder keeps exactly the listed files
     on_disk = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
     assert sorted(filter_repo_objects(on_disk, allow_patterns=upload[3])) == res["files"]
-    assert set(res["files"]) == _expected(out) and res["card"] == "regenerated"
+    assert set(res["files"]) == _expected(out) and res["card"] == "existing"
     assert "moecompress" in front_matter((out / "README.md").read_text())["tags"]  # card written first
     assert res["commit_url"].endswith("/me/tiny/commit/0123") and res["private"] is True
 
@@ -336,3 +338,12 @@ def test_bad_folders(tmp_path, fake_api):
         push(tmp_path / "d", "me/x")
     assert "\n" not in str(info.value)
     assert [c[0] for c in fake_api.calls] == ["init", "create_repo", "upload_folder"]
+
+
+def test_a_copied_base_card_is_regenerated(out, no_network):
+    (out / "README.md").write_text(BASE_CARD)  # e.g. an output written by an older moecompress
+    res = push(out, "me/tiny", dry_run=True, staging=out.parent / "preview-regen")
+    assert res["card"] == "regenerated"
+    card = (out.parent / "preview-regen" / "README.md").read_text()
+    assert card != BASE_CARD and "moecompress" in front_matter(card)["tags"]
+    assert (out / "README.md").read_text() == BASE_CARD
