@@ -33,17 +33,6 @@ from moecompress.registry import LayerStats
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 
 @dataclass
 class RunResult:
@@ -64,10 +53,7 @@ def meta_layer(ckpt: Checkpoint, i: int) -> MoELayer:
     r = ckpt.reader
 
     def fetch(names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {
-            n: torch.empty(r.shape(n), dtype=_DTYPES.get(r.dtype(n), torch.float32), device="meta")
-            for n in names
-        }
+        return {n: r.meta(n) for n in names}
 
     return ckpt.read_layer_with(i, fetch)
 
@@ -77,7 +63,8 @@ def compute_dtype(recipe: Recipe, ckpt: Checkpoint) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     first = ckpt.moe_keys(ckpt.moe_layer_indices[0])[0]
-    return _DTYPES.get(ckpt.reader.dtype(first), torch.float32)
+    dtype = ckpt.reader.torch_dtype(first)
+    return dtype if dtype.is_floating_point else torch.float32
 
 
 def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:

@@ -26,8 +26,6 @@ from moecompress.io.checkpoint import check_moe_layer, open_checkpoint
 
 def _light_fetch(reader, names) -> dict[str, torch.Tensor]:
     """Small and integer tensors (widths, expert maps, biases) for real, big weights as meta tensors."""
-    from moecompress.executor import _DTYPES
-
     out, real = {}, []
     for n in names:
         numel = 1
@@ -36,9 +34,7 @@ def _light_fetch(reader, names) -> dict[str, torch.Tensor]:
         if reader.dtype(n).startswith(("I", "U")) or numel <= 65536:
             real.append(n)
         else:
-            out[n] = torch.empty(
-                reader.shape(n), dtype=_DTYPES.get(reader.dtype(n), torch.float32), device="meta"
-            )
+            out[n] = reader.meta(n)
     out.update(reader.get_many(real))
     return out
 

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
 
@@ -113,6 +118,13 @@ class ShardReader:
     def dtype(self, name: str) -> str:
         """safetensors dtype string (``"F32"``, ``"BF16"``, ...)."""
         return self._dtype[self._require(name)]
+
+    def torch_dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES.get(self.dtype(name), torch.uint8)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A ``meta`` tensor with the stored shape and dtype (dry runs, inspection)."""
+        return torch.empty(self.shape(name), dtype=self.torch_dtype(name), device="meta")
 
     def nbytes(self, name: str) -> int:
         size = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
