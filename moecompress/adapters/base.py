@@ -17,6 +17,7 @@ Writing uses the hub form unless ``fused=True`` is asked for.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
@@ -29,7 +30,7 @@ from moecompress.layouts import Dense
 Fetch = Callable[[Iterable[str]], dict[str, torch.Tensor]]
 
 
-class Adapter:
+class Adapter(ABC):
     """Base class: configuration queries shared by every architecture."""
 
     model_type: ClassVar[str]
@@ -73,36 +74,37 @@ class Adapter:
     def moe_layer_indices(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
+    @abstractmethod
     def router_spec(self, num_experts: int | None = None) -> RouterSpec:
-        raise NotImplementedError
+        """Routing semantics; ``num_experts`` overrides the config's count (layers with fewer experts)."""
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_prefix}.{i}."
 
     # -- tensors (implemented by subclasses) -----------------------------------------------------
+    @abstractmethod
     def expected_tensors(self, i: int, keys: Iterable[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
         """``(block_prefix, {key: shape})``: what MoE layer ``i`` must hold in the form found in ``keys``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
         """Canonical layer ``i`` from tensors fetched with ``get`` (on-disk form ``fmt``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
         """On-disk tensors of a canonical layer (hub names unless ``fused``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def router_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
         """The stock-named tensors of everything but the routed experts (router, biases, shared expert)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
         """Names of the tensors :meth:`router_tensors` writes for layer ``i``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
         """``MoELayer`` fields other than the routed experts, from the tensors named by :meth:`router_keys`."""
-        raise NotImplementedError
 
     def config_spellings(self, key: str) -> list[str]:
         """Every config.json spelling of attribute ``key`` (transformers' ``attribute_map`` aliases)."""
@@ -204,7 +206,8 @@ class PerExpertAdapter(Adapter):
 
     @property
     def shared_width(self) -> int:
-        raise NotImplementedError
+        """Width of the shared expert; adapters that set ``shared_name`` override it."""
+        raise TypeError(f"{type(self).__name__} sets shared_name but does not define shared_width")
 
     def detect_format(self, i: int, keys: Iterable[str]) -> str:
         fused_key = f"{self.layer_prefix(i)}{self.fused_block}.experts.gate_up_proj"

@@ -20,7 +20,6 @@ report, configs and the base card.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import uuid
@@ -31,23 +30,23 @@ from typing import Any
 import yaml
 
 from moecompress.errors import CheckpointError
+from moecompress.io.card_sections import (
+    QUANTIZERS,
+    STEP_KINDS,
+    _calibration_section,
+    _cell,
+    _evaluation_section,
+    _experts_section,
+    _int,
+    _loading_section,
+    _n_experts,
+    _read_json,
+    _sizes_section,
+    _steps_section,
+)
 
 # Step name -> kind. The kind becomes a tag; unknown steps (analyze, identity, protection masks, ...)
 # change no weights structurally and are ignored. Extend this table when a pass is added.
-QUANTIZERS = frozenset({"codequant", "rtn"})
-STEP_KINDS: dict[str, str] = {
-    "heapr": "pruned",
-    "reap": "pruned",
-    "prune": "pruned",
-    "prune_experts": "pruned",
-    "namex": "merged",
-    "merge": "merged",
-    "merge_experts": "merged",
-    "tdmoe": "decomposed",
-    "svd": "decomposed",
-    "distill": "distilled",
-    **dict.fromkeys(QUANTIZERS, "quantized"),
-}
 LOADABILITY = ("stock", "moecompress")
 # quant_method values stock transformers loads without moecompress (used only to infer loadability).
 STOCK_QUANT_METHODS = frozenset(
@@ -131,274 +130,6 @@ def infer_loadability(config: Mapping[str, Any] | None) -> str:
     return "moecompress" if method and method not in STOCK_QUANT_METHODS else "stock"
 
 
-def _cell(x: object) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def _int(x: object) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-def _num(n: object) -> str:
-    i = _int(n)
-    return f"{i:,}" if i is not None else "?"
-
-
-def _human(n: object) -> str:
-    i = _int(n)
-    if i is None:
-        return "?"
-    value = float(i)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{i} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"  # pragma: no cover  (the loop always returns)
-
-
-def _change(before: object, after: object) -> str:
-    b, a = _int(before), _int(after)
-    if b is None or a is None or b == 0:
-        return ""
-    pct = 100.0 * (a - b) / b
-    return " (unchanged)" if a == b else f" ({pct:+.1f} %)"
-
-
-def _fmt(x: object) -> str:
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return _cell(x)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} cannot be read as JSON ({type(err).__name__}: {err})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object")
-    return data
-
-
-# ---------------------------------------------------------------------------------------- sections
-def _totals(run: Mapping[str, Any]) -> dict[str, Any]:
-    totals = run.get("totals")
-    if isinstance(totals, Mapping):
-        return dict(totals)
-    steps = [s for s in run.get("steps") or [] if isinstance(s, Mapping)]
-    if not steps:
-        return {}
-    return {
-        "params_before": steps[0].get("params_before"),
-        "params_after": steps[-1].get("params_after"),
-        "bytes_before": steps[0].get("bytes_before"),
-        "bytes_after": steps[-1].get("bytes_after"),
-    }
-
-
-def _steps_section(run: Mapping[str, Any], rel: str | None, kinds: list[str]) -> list[str]:
-    lines = ["## What was done", ""]
-    steps = [s for s in run.get("steps") or [] if isinstance(s, Mapping)]
-    if steps:
-        lines += [
-            "Sizes are those of the MoE blocks (routed and shared experts, routers) the steps work on.",
-            "",
-            "| # | step | kind | parameters before → after | bytes before → after | seconds |",
-            "|---|---|---|---|---|---|",
-        ]
-        for s in steps:
-            name = str(s.get("name", "?"))
-            pb, pa, bb, ba = (
-                s.get(k) for k in ("params_before", "params_after", "bytes_before", "bytes_after")
-            )
-            lines.append(
-                f"| {_cell(s.get('step', '?'))} | `{_cell(name)}` | {STEP_KINDS.get(name, '—')} "
-                f"| {_num(pb)} → {_num(pa)}{_change(pb, pa)} | {_human(bb)} → {_human(ba)}{_change(bb, ba)} "
-                f"| {_fmt(s.get('seconds', ''))} |"
-            )
-    else:
-        lines.append("The run report lists no steps.")
-    lines.append("")
-    done = ", ".join(kinds) if kinds else "no structural change (analysis or identity steps only)"
-    if rel is None:
-        lines.append(
-            f"Weights: {done}. The base model was a local directory, not a Hub repo id, so the metadata "
-            "has no `base_model` (and therefore no `base_model_relation`); add them by hand if the base "
-            "is on the Hub."
-        )
-    elif rel == "quantized":
-        lines.append(f"Weights: {done}. `base_model_relation: quantized` because a step quantises weights.")
-    else:
-        lines.append(
-            f"Weights: {done}. `base_model_relation: finetune` is a choice: the Hub has no relation for "
-            "pruned, merged-expert or decomposed models, `finetune` is what it assumes for a derived "
-            "safetensors checkpoint, and `merge` (several models merged) or `adapter` would be wrong."
-        )
-    return [*lines, ""]
-
-
-def _calibration_section(run: Mapping[str, Any]) -> list[str]:
-    cal = (run.get("recipe") or {}).get("calibration")
-    if not isinstance(cal, Mapping):
-        return []
-    samples, seq_len = _int(cal.get("samples")), _int(cal.get("seq_len"))
-    lines = ["## Calibration", "", f"- source: `{_cell(cal.get('source', '?'))}`"]
-    line = f"- samples: {_num(samples)} sequences × {_num(seq_len)} tokens"
-    if samples is not None and seq_len is not None:
-        line += f" = {samples * seq_len:,} tokens"
-    lines.append(line)
-    for key in ("seed", "holdout", "propagate"):
-        if cal.get(key) is not None:
-            lines.append(f"- {key}: `{_cell(cal[key])}`")
-    info = run.get("calibration")
-    if isinstance(info, Mapping) and info.get("cached"):
-        lines.append("- statistics were reused from the statistics cache")
-    return [*lines, ""]
-
-
-def _n_experts(config: Mapping[str, Any] | None) -> int | None:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if config and _int(config.get(key)):
-            return int(config[key])
-    return None
-
-
-def _experts_section(run: Mapping[str, Any], base_config: Mapping[str, Any] | None) -> list[str]:
-    kept = run.get("experts_kept")
-    if isinstance(kept, list):
-        kept = dict(enumerate(kept))
-    if not isinstance(kept, Mapping) or not kept:
-        return []
-    total = _n_experts(base_config)
-    lines = ["## Experts kept per layer", "", "| layer | experts kept |", "|---|---|"]
-    for layer, value in kept.items():
-        ids = value if isinstance(value, list) else None
-        count = len(ids) if ids is not None else _int(value)
-        text = _num(count) + (f" of {total}" if total and count is not None else "")
-        if ids is not None and len(ids) <= 32:
-            text += f" ({', '.join(map(str, ids))})"
-        lines.append(f"| {_cell(layer)} | {_cell(text)} |")
-    return [*lines, ""]
-
-
-def _sizes_section(run: Mapping[str, Any], out_dir: Path) -> list[str]:
-    t = _totals(run)
-    lines = ["## Sizes", ""]
-    if t:
-        pb, pa, bb, ba = (t.get(k) for k in ("params_before", "params_after", "bytes_before", "bytes_after"))
-        lines.append(f"- MoE parameters: {_num(pb)} → {_num(pa)}{_change(pb, pa)}")
-        lines.append(f"- MoE bytes: {_human(bb)} → {_human(ba)}{_change(bb, ba)}")
-    shards = sorted(out_dir.glob("*.safetensors")) if out_dir.is_dir() else []
-    if shards:
-        size = sum(p.stat().st_size for p in shards)
-        lines.append(f"- checkpoint weights on disk: {_human(size)} in {len(shards)} safetensors file(s)")
-    elif not run.get("checkpoint", True):
-        lines.append("- no checkpoint was written (report-only run)")
-    return [*lines, ""] if len(lines) > 2 else []
-
-
-_METRICS = {
-    "perplexity": "perplexity",
-    "kl": "KL(base ‖ model), nats",
-    "top1_agreement": "top-1 agreement with base",
-    "tokens_per_second": "tokens/s",
-}
-
-
-def _eval_rows(ev: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Table rows and info lines from an evaluation: ``evaluate()``'s dict or ``{"rows": [...]}``."""
-    if isinstance(ev.get("rows"), list):
-        rows = [dict(r) for r in ev["rows"] if isinstance(r, Mapping)]
-        info = [f"{_cell(k)}: {_fmt(v)}" for k, v in ev.items() if k != "rows" and not isinstance(v, Mapping)]
-        return rows, info
-    rows = []
-    if ev.get("base_perplexity") is not None:
-        rows.append(
-            {
-                "model": "base",
-                "perplexity": ev["base_perplexity"],
-                "tokens_per_second": ev.get("base_tokens_per_second"),
-            }
-        )
-    rows.append({"model": "this model", **{k: ev.get(k) for k in _METRICS}})
-    info = []
-    if _int(ev.get("tokens")):
-        info.append(
-            f"{ev['tokens']:,} scored tokens in {_num(ev.get('windows'))} windows of {_num(ev.get('seq_len'))}"
-        )
-    texts = [Path(str(t)).name for t in ev.get("texts") or []]
-    if ev.get("token_source") == "random":
-        info.append("token source: random ids (a smoke test, not a quality measure)")
-    elif texts:
-        info.append("held-out split (last 2 %) of: " + ", ".join(f"`{_cell(t)}`" for t in texts))
-    else:
-        info.append("held-out split (last 2 %) of the builtin texts")
-    if ev.get("dtype") or ev.get("device"):
-        info.append(f"dtype {_cell(ev.get('dtype', '?'))} on {_cell(ev.get('device', '?'))}")
-    return rows, info
-
-
-def _evaluation_section(evaluation: Mapping[str, Any] | None) -> list[str]:
-    if not evaluation:
-        return []
-    rows, info = _eval_rows(evaluation)
-    lines = ["## Evaluation", "", *(f"- {line}" for line in info)]
-    if not rows:
-        return [*lines, ""]
-    keys = [k for k in _METRICS if any(r.get(k) is not None for r in rows)]
-    keys += sorted({k for r in rows for k in r if k not in _METRICS and k != "model"})
-    base = next((r for r in rows if r.get("model") == "base"), None)
-    base_ppl = base.get("perplexity") if base else None
-    delta = isinstance(base_ppl, (int, float)) and not isinstance(base_ppl, bool)
-    head = ["model", *(_METRICS.get(k, k) for k in keys)] + (["Δ perplexity vs base"] if delta else [])
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [_cell(r.get("model", "?"))]
-        cells += [_fmt(r[k]) if r.get(k) is not None else "—" for k in keys]
-        if delta:
-            ppl = r.get("perplexity")
-            ok = isinstance(ppl, (int, float)) and not isinstance(ppl, bool)
-            cells.append(f"{ppl - base_ppl:+.4g}" if ok else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
-
-
-def _loading_section(out_dir: Path, name: str, loadability: str, repo_id: str | None) -> list[str]:
-    where = json.dumps(repo_id or name)
-    comment = "" if repo_id else "  # this directory, or its Hub repo id"
-    tok = any((out_dir / f).is_file() for f in TOKENIZER_FILES)
-    if loadability == "stock":
-        lines = [
-            "## Loading",
-            "",
-            "**Loadability:** loads with plain transformers (moecompress is not needed).",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tok else ""),
-            "",
-        ]
-    else:
-        lines = [
-            "## Loading",
-            "",
-            "**Loadability:** needs `pip install moecompress` and `import moecompress` before loading "
-            "(it registers moecompress's weight formats with transformers). Not servable by vLLM: vLLM "
-            "has no kernels for these layouts.",
-            "",
-            "```python",
-            "import moecompress  # registers moecompress's formats with transformers",
-            "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tok else ""),
-            "",
-        ]
-    lines.append(f'model = AutoModelForCausalLM.from_pretrained({where}, dtype="auto"){comment}')
-    if tok:
-        lines.append(f"tokenizer = AutoTokenizer.from_pretrained({where})")
-    return [*lines, "```", ""]
-
-
-# -------------------------------------------------------------------------------------------- public
 def model_card(
     out_dir: Path,
     *,
