@@ -160,8 +160,9 @@ class _Run:
         if hx is not None:  # the original block on the held-back tokens: the reference for every step
             hx = hx.to(self.dtype)
             hy = moe_forward(cast_layer(layer, self.dtype), hx)
-        before_params, before_bytes = layer.num_params(), layer.nbytes()
         for step in self.rec.steps:
+            # sizes compare the step's input and output; the error is cumulative (vs the original block)
+            before_params, before_bytes = layer.num_params(), layer.nbytes()
             t0 = time.perf_counter()
             st = LayerStats(idx, stats, plan=self.plans.get(step.number, {}).get(idx))
             new, info = run_step(step, layer, st)
