@@ -28,6 +28,7 @@ from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
 from moecompress.io.writer import ShardWriter, move_into_place
 from moecompress.ir import MoELayer
+from moecompress.protection import MASSIVE_RATIO_WARNING, TopActivation, protection_violations
 from moecompress.recipe import Recipe, Step
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats
@@ -51,14 +52,23 @@ def rss_mb() -> float:
 
 
 def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, dict]:
-    """One step on one layer, with errors that name the step and the layer."""
+    """One step on one layer, with errors that name the step and the layer; enforces the protection
+    contract (:mod:`moecompress.protection`)."""
     try:
         new, info = step.spec.fn(layer, stats, step.config)
     except MoecompressError as err:
         raise PassError(f"{step.label}, layer {layer.index}: {err}") from None
     if not isinstance(new, MoELayer) or not isinstance(info, dict):
         raise PassError(f"{step.label}: a pass must return (MoELayer, dict), got {type(new).__name__}")
-    return (layer if step.spec.report_only else new), info
+    if step.spec.report_only:
+        return layer, info
+    broken = protection_violations(layer, new)
+    if broken:
+        raise PassError(
+            f"{step.label}, layer {layer.index}: {broken[0]} ({len(broken)} violation(s)); protected (super) "
+            "experts must stay bit-identical: the pass must skip layer.protected"
+        )
+    return new, info
 
 
 def compress_for_propagation(rec: Recipe):
@@ -129,6 +139,7 @@ class _Run:
         }
         self.descs: dict[int, dict[int, dict | None]] = {n: {} for n in self.writers}
         self.shapes: dict[int, dict[int, list[int]]] = {n: {} for n in self.writers}
+        self.protected: dict[int, dict[str, list[int]]] = {n: {} for n in self.writers}
         if resume:
             for n, w in self.writers.items():
                 w.restore(j["writers"][str(n)])
@@ -137,6 +148,7 @@ class _Run:
             self.start_group = int(j["done_group"]) + 1
             self.descs = {int(n): {int(i): d for i, d in v.items()} for n, v in j["descs"].items()}
             self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
+            self.protected = {int(n): v for n, v in j["protected"].items()}
 
     def save_journal(self, done_group: int) -> None:
         _write_json_atomic(
@@ -149,6 +161,7 @@ class _Run:
                 "infos": {str(k): {str(i): x for i, x in v.items()} for k, v in self.infos.items()},
                 "descs": {str(n): {str(i): d for i, d in v.items()} for n, v in self.descs.items()},
                 "shapes": {str(n): {str(i): d for i, d in v.items()} for n, v in self.shapes.items()},
+                "protected": {str(n): v for n, v in self.protected.items()},
             },
         )
 
@@ -159,7 +172,8 @@ class _Run:
         hy = None
         if hx is not None:  # the original block on the held-back tokens: the reference for every step
             hx = hx.to(self.dtype)
-            hy = moe_forward(cast_layer(layer, self.dtype), hx)
+            top0 = TopActivation()
+            hy = moe_forward(cast_layer(layer, self.dtype), hx, top0)
         for step in self.rec.steps:
             # sizes compare the step's input and output; the error is cumulative (vs the original block)
             before_params, before_bytes = layer.num_params(), layer.nbytes()
@@ -176,13 +190,17 @@ class _Run:
                 "seconds": round(secs, 4),
             }
             if hx is not None and hy is not None:
-                approx = moe_forward(cast_layer(new, self.dtype), hx)
+                top = TopActivation()
+                approx = moe_forward(cast_layer(new, self.dtype), hx, top)
                 row["rel_error"], row["sqnr_db"] = relative_error(hy, approx), sqnr_db(hy, approx)
+                row["massive_ratio"] = top.value / top0.value if top0.value > 0 else 1.0
             self.rows[step.number].append(row)
             self.infos[step.number][idx] = json_safe(info)
             if step.number in self.writers:
                 tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, new)
                 self.shapes[step.number][idx] = layer_shape(new)
+                if new.protected:
+                    self.protected[step.number][str(idx)] = sorted(new.protected)
                 self.writers[step.number].add_many(tensors)
                 del tensors
             self.seconds[step.number] += secs
@@ -232,6 +250,8 @@ class _Run:
                 "recipe_hash": self.rec.fingerprint(),
                 "steps": [s.name for s in self.rec.steps if s.number <= n],
             }
+            if self.protected[n]:
+                provenance["protected"] = self.protected[n]
             cfg = config_with_layers(
                 self.ckpt.raw_config,
                 self.descs[n],
@@ -243,6 +263,8 @@ class _Run:
         steps, warnings = [], []
         for step in self.rec.steps:
             extra = step.spec.summarize(self.infos[step.number], step.config) if step.spec.summarize else {}
+            extra.setdefault("warnings", [])
+            extra["warnings"] = [*extra["warnings"], *_massive_warnings(self.rows[step.number])]
             report = {
                 "step": step.number,
                 "name": step.name,
@@ -295,6 +317,16 @@ class _Run:
         (self.staging / JOURNAL).unlink(missing_ok=True)
         move_into_place(self.staging, self.out)
         return run
+
+
+def _massive_warnings(rows: list[dict]) -> list[str]:
+    """Super-expert verification: the top massive activation on the held-back tokens must survive."""
+    return [
+        f"layer {r['layer']}: the top massive activation fell to {r['massive_ratio']:.2f} of the original "
+        "(super experts damaged? protect them with protect_super_experts)"
+        for r in rows
+        if r.get("massive_ratio", 1.0) < MASSIVE_RATIO_WARNING
+    ]
 
 
 def _card_kwargs(run: dict, ckpt: Checkpoint, descs: dict, name: str) -> dict:

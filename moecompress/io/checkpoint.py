@@ -59,14 +59,23 @@ class Checkpoint:
         """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
         return self.read_layer_with(i, self.reader.get_many)
 
+    @property
+    def protected(self) -> dict[int, frozenset[int]]:
+        """Protected (super) experts recorded by an earlier run, per layer."""
+        block = self.raw_config.get("moecompress") or {}
+        return {int(i): frozenset(int(e) for e in ids) for i, ids in (block.get("protected") or {}).items()}
+
     def read_layer_with(self, i: int, fetch) -> MoELayer:
         """MoE layer ``i`` with tensors from ``fetch(names) -> {name: tensor}`` (e.g. meta tensors)."""
         desc = self.layouts.get(i)
         if desc is not None:
             from moecompress.io.format import read_compressed_layer
 
-            return read_compressed_layer(self.adapter, i, desc, fetch)
-        return self.adapter.read_layer(i, self.reader.keys, fetch)
+            layer = read_compressed_layer(self.adapter, i, desc, fetch)
+        else:
+            layer = self.adapter.read_layer(i, self.reader.keys, fetch)
+        protected = self.protected.get(i)
+        return layer if not protected else layer.replace(protected=protected)
 
     def moe_keys(self, i: int) -> list[str]:
         """On-disk tensor names owned by the MoE block of layer ``i``."""
@@ -143,6 +152,16 @@ def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> 
     return keys
 
 
+def _provenance(block: dict | None, protected: dict[str, list[int]]) -> dict | None:
+    """The input's provenance block (without layouts), with the protection that was written."""
+    if block is None and not protected:
+        return None
+    out = {k: v for k, v in (block or {}).items() if k not in ("layers", "protected")}
+    if protected:
+        out["protected"] = protected
+    return out
+
+
 def _load_config(path: Path):
     from transformers import AutoConfig
 
@@ -176,6 +195,7 @@ def rewrite_checkpoint(
     groups = ckpt.key_groups()
     descs: dict[int, dict | None] = {}
     shapes: dict[int, list[int]] = {}
+    protected: dict[str, list[int]] = {}
     with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
         for idx, keys in tqdm(groups, desc="layers", unit="layer", disable=not progress):
             writer.make_room(sum(ckpt.reader.nbytes(k) for k in keys))
@@ -189,6 +209,8 @@ def rewrite_checkpoint(
                 else:
                     tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
                 shapes[idx] = layer_shape(layer)
+                if layer.protected:
+                    protected[str(idx)] = sorted(layer.protected)
                 writer.add_many(tensors)
                 owned = set(ckpt.moe_keys(idx))
                 del layer, tensors
@@ -202,7 +224,7 @@ def rewrite_checkpoint(
             descs,
             shapes,
             adapter=ckpt.adapter,
-            provenance=None if block is None else {k: v for k, v in block.items() if k != "layers"},
+            provenance=_provenance(block, protected),
         )
         writer.write_json("config.json", cfg)
         return writer.commit()
