@@ -66,7 +66,7 @@ def _plan(all_stats: dict[int, LayerStats], cfg: SuperExpertsConfig) -> dict[int
     p = float(torch.quantile(values, cfg.percentile / 100)) if values.numel() else math.inf
     gmax = float(values.max()) if values.numel() else 0.0
     threshold = max(p, cfg.min_fraction_of_max * gmax)
-    eligible = set(layers[: math.ceil(len(layers) * cfg.layer_fraction)])
+    eligible = set(layers[: max(1, math.floor(len(layers) * cfg.layer_fraction + 1e-9))])
     plan = {}
     for i in layers:
         a = all_stats[i]["down_out_absmax"].float()

@@ -1,0 +1,113 @@
+"""Super experts on the reference models: the magnitude profile, a planted super expert, and what
+ablating each expert of that layer does to perplexity.
+
+    python benchmarks/super_experts.py [--shared ../shared] [--samples 64] [--seq-len 256] [--eval-tokens 4096]
+
+1. ``protect_super_experts`` (defaults: P99.5, 0.1 x max, first 75 % of MoE layers) on each reference
+   model, calibrated on the corpus; prints the per-layer top magnitudes (the paper's Table 1 view).
+2. Plants a super expert in ref-qwen3moe: row ``CHANNEL`` of expert ``EXPERT``'s down projection in
+   MoE layer ``LAYER`` is scaled x100, so whenever that expert runs, output channel ``CHANNEL`` carries
+   a massive activation. Profiles again: the profiler must report exactly that expert.
+3. Ablates (``ablate_experts``) each expert of that layer in turn, in the planted model and in the
+   original, and evaluates perplexity on the held-out split of the corpus (``moecompress eval``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+import moecompress as mc
+
+LAYER, EXPERT, CHANNEL, SCALE = 1, 3, 5, 100.0
+MODELS = ["ref-qwen3moe", "ref-mixtral", "ref-deepseekv3"]
+
+
+def profile(model: Path, out: Path, cal: dict) -> dict:
+    mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": [{"protect_super_experts": {}}]},
+             progress=False)  # fmt: skip
+    return json.loads((out / "steps" / "01-protect_super_experts" / "report.json").read_text())
+
+
+def ablation_ppl(
+    model: Path, work: Path, cal: dict, texts: list[str], tokens: int, n_experts: int
+) -> list[float]:
+    out = []
+    for e in range(n_experts):
+        dst = work / f"ablate-{e}"
+        step = {"ablate_experts": {"experts": [{"layer": LAYER, "experts": [e]}]}}
+        mc.apply(
+            {"model": str(model), "output": str(dst), "calibration": cal, "steps": [step]}, progress=False
+        )
+        out.append(mc.evaluate(dst, texts=texts, max_tokens=tokens)["perplexity"])
+        shutil.rmtree(dst)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    args = ap.parse_args()
+    data = Path(args.shared) / "data"
+    corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
+    cal = {
+        "source": "file:" + ",".join(corpus),
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "batch_size": 8,
+    }
+    work = Path(tempfile.mkdtemp(prefix="se-bench-"))
+    cal["cache_dir"] = str(work / "cache")
+    print("## Profiles (max |down_proj output| per expert)\n")
+    print(
+        "| model | threshold | P99.5 | max/10 | super experts | per MoE layer: top-5 magnitudes |\n|---|---:|---:|---:|---|---|"
+    )
+    for name in MODELS:
+        rep = profile(data / "models" / name, work / f"prof-{name}", cal)
+        s = rep["summary"]
+        tops = "; ".join(
+            f"L{k}: " + ", ".join(f"{v:.2f}" for v in t[:5]) for k, t in s["top_magnitudes_per_layer"].items()
+        )
+        print(
+            f"| {name} | {s['threshold']:.2f} | {s['P99.5']:.2f} | {s['max_over_10']:.2f} | {s['super_experts'] or 'none'} | {tops} |"
+        )
+    base = data / "models" / "ref-qwen3moe"
+    planted = work / "planted"
+    shutil.copytree(base, planted)
+    tensors = load_file(planted / "model.safetensors")
+    key = f"model.layers.{LAYER}.mlp.experts.{EXPERT}.down_proj.weight"
+    tensors[key][CHANNEL] *= SCALE
+    save_file(tensors, planted / "model.safetensors", metadata={"format": "pt"})
+    rep = profile(planted, work / "prof-planted", cal)
+    info = {r["layer"]: r["info"] for r in rep["layers"]}[LAYER]
+    print(f"\n## Planted: {key} row {CHANNEL} x{SCALE:g}\n")
+    print(
+        f"super experts found: {rep['summary']['super_experts']} (channels {info['channels']}); "
+        f"layer {LAYER} top-5: {info['top'][:5]}"
+    )
+    texts = [f"file:{p}" for p in corpus]
+    n = len(info["magnitudes"])
+    ppl_planted = mc.evaluate(planted, texts=texts, max_tokens=args.eval_tokens)["perplexity"]
+    ppl_base = mc.evaluate(base, texts=texts, max_tokens=args.eval_tokens)["perplexity"]
+    abl_planted = ablation_ppl(planted, work, cal, texts, args.eval_tokens, n)
+    abl_base = ablation_ppl(base, work, cal, texts, args.eval_tokens, n)
+    print(f"\nperplexity: original {ppl_base:.2f}, planted {ppl_planted:.2f}\n")
+    print(
+        f"| expert of layer {LAYER} ablated | ppl (planted model) | ppl (original model) |\n|---:|---:|---:|"
+    )
+    for e in range(n):
+        mark = " (planted)" if e == EXPERT else ""
+        print(f"| {e}{mark} | {abl_planted[e]:.2f} | {abl_base[e]:.2f} |")
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
