@@ -106,22 +106,25 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> None:
-    """Fail in the dry run on a bad source, a missing tokenizer or an unusable cache directory."""
+def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> str:
+    """Fail in the dry run on a bad source, a missing tokenizer or an unusable cache directory;
+    returns the source fingerprint (the statistics cache key)."""
     from moecompress.calibration.sources import source_fingerprint
 
     c = recipe.calibration
-    source_fingerprint(c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed)
+    fingerprint = source_fingerprint(
+        c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
+    )
     if c.cache_dir is not None and Path(c.cache_dir).exists() and not Path(c.cache_dir).is_dir():
         raise RecipeError(f"calibration.cache_dir: {c.cache_dir!r} exists and is not a directory")
+    return fingerprint
 
 
-def _token_ids(recipe: Recipe, ckpt: Checkpoint) -> tuple[torch.Tensor, str]:
-    from moecompress.calibration.sources import load_token_ids, source_fingerprint
+def _token_ids(recipe: Recipe, ckpt: Checkpoint) -> torch.Tensor:
+    from moecompress.calibration.sources import load_token_ids
 
     c = recipe.calibration
-    args = dict(model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed)
-    return load_token_ids(c.source, **args), source_fingerprint(c.source, **args)
+    return load_token_ids(c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed)
 
 
 def calibrate_stats(
@@ -214,14 +217,14 @@ def apply(
         raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
     ckpt = _open(rec)
     plan = dry_run(rec, ckpt)
-    _check_calibration_source(rec, ckpt)
+    fingerprint = _check_calibration_source(rec, ckpt)
     if resume:
         from moecompress.layer_loop import check_resumable
 
         check_resumable(rec)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
-    ids, fingerprint = _token_ids(rec, ckpt)
+    ids = _token_ids(rec, ckpt)
     t0 = time.perf_counter()
     extra = rec.fingerprint() if rec.calibration.propagate == "compressed" else ""
     on_layer = None
@@ -253,7 +256,7 @@ def calibrate(recipe, overrides=(), *, progress: bool = True) -> Path:
     rec = _coerce(recipe, overrides)
     ckpt = _open(rec)
     dry_run(rec, ckpt)
-    _check_calibration_source(rec, ckpt)
-    ids, fingerprint = _token_ids(rec, ckpt)
+    fingerprint = _check_calibration_source(rec, ckpt)
+    ids = _token_ids(rec, ckpt)
     entry, _ = calibrate_stats(rec, ckpt, ids, fingerprint, progress=progress)
     return entry
