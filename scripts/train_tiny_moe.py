@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import platform
-import re
 import shlex
 import shutil
 import sys
@@ -54,6 +53,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from moecompress.calibration.sources import _chunks  # the same line-start cutting as calibration
 
 EOS = "<|endoftext|>"
 EVAL_DIVISOR = 50  # the last len(text) // 50 characters (2%) of each file are held out
@@ -65,8 +66,6 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
     "training.json",
 )
-_LINE_START = re.compile(r"\n(?=\S)")
-_CHUNK_CHARS = 1 << 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,17 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- data -------------------------------------------------------------------------------------------
-
-
-def _chunks(text: str) -> list[str]:
-    """Cut text at line starts (exact for byte-level BPE) so the tokenizer can batch it."""
-    pieces, start = [], 0
-    while start < len(text):
-        m = _LINE_START.search(text, start + _CHUNK_CHARS)
-        end = m.end() if m else len(text)
-        pieces.append(text[start:end])
-        start = end
-    return pieces
 
 
 def _encode(tokenizer, texts: list[str], sep: int) -> torch.Tensor:
