@@ -16,13 +16,15 @@ same config and one layer (its fused expert tensors mapped to the Hub's per-expe
 cross-checked against the adapter; every checkpoint is validated with ``open_checkpoint`` and
 ``moecompress info``.
 
-No built-in pass needs a gradient statistic yet, so each measurement's interpreter registers a
-report-only ``grad_probe`` pass (needs ``grad_sq_mean`` and ``act_sq_mean``) before calling
-``moecompress.apply``. Two recipe variants run:
+Each measurement's interpreter registers a report-only ``grad_probe`` pass (needs ``grad_sq_mean``
+and ``act_sq_mean``, HEAPr's statistics) before calling ``moecompress.apply``. Two recipe variants
+run, and a third with ``--heapr``:
 
 * ``analyze+grad``: ``analyze`` + ``grad_probe``, report-only, so nothing but reports is written;
 * ``+identity``: the same plus ``identity`` last, so a checkpoint is written (streaming writer,
-  ``max_shard_size`` about one decoder layer).
+  ``max_shard_size`` about one decoder layer);
+* ``analyze+heapr`` (``--heapr``): ``analyze`` + the real ``heapr`` pass at ratio 0.5, which writes a
+  ragged checkpoint.
 
 Every measurement runs in a fresh interpreter with a fresh calibration cache directory (so
 calibration really runs); the peak is ``VmHWM`` from ``/proc/self/status`` at the end (not
@@ -35,6 +37,7 @@ callbacks, ``run_layer_loop``) and resets the high-water mark between them
     python benchmarks/stream_memory.py                       # 2 and 6 layers, ~2.4 + 7.3 GB on disk
     python benchmarks/stream_memory.py --layers 2 6 --phases --tmp /data/tmp
     python benchmarks/stream_memory.py --experts 16 --hidden 512 --width 256   # quick smoke run
+    python benchmarks/stream_memory.py --layers 2 --heapr    # + the real heapr pass (ragged output)
 """
 
 from __future__ import annotations
@@ -317,11 +320,15 @@ def env() -> dict[str, str]:
     return e
 
 
-def write_recipe(path: Path, model: Path, out: Path, cache: Path, identity: bool, args, shard: int) -> None:
+def write_recipe(path: Path, model: Path, out: Path, cache: Path, tail: str | None, args, shard: int) -> None:
     import yaml
 
-    steps: list[dict] = [{"analyze": {}}, {"grad_probe": {}}]
-    if identity:
+    steps: list[dict] = [{"analyze": {}}]
+    if tail == "heapr":  # the real HEAPr pass: same statistics as grad_probe, writes a ragged checkpoint
+        steps.append({"heapr": {"ratio": 0.5}})
+    else:
+        steps.append({"grad_probe": {}})
+    if tail == "identity":
         steps.append({"identity": {}})
     recipe = {
         "model": str(model),
@@ -355,10 +362,10 @@ def run_worker(mode: str, recipe: Path, malloc_threshold: int | None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(name: str, identity: bool, n: int, ckpt: Path, work: Path, args, shard: int) -> dict:
-    tag = f"L{n}-{'identity' if identity else 'report'}"
+def measure(name: str, tail: str | None, n: int, ckpt: Path, work: Path, args, shard: int) -> dict:
+    tag = f"L{n}-{tail or 'report'}"
     out, cache, recipe = work / f"{tag}-out", work / f"{tag}-cache", work / f"{tag}.yaml"
-    write_recipe(recipe, ckpt, out, cache, identity, args, shard)
+    write_recipe(recipe, ckpt, out, cache, tail, args, shard)
     log(f"  apply [{name}], {n} layers ...")
     r = run_worker("apply", recipe, args.malloc_mmap_threshold)
     r["cache_bytes"] = du(cache)
@@ -377,7 +384,7 @@ def measure(name: str, identity: bool, n: int, ckpt: Path, work: Path, args, sha
 
 def profile(n: int, ckpt: Path, work: Path, args, shard: int) -> dict:
     out, cache, recipe = work / f"L{n}-phases-out", work / f"L{n}-phases-cache", work / f"L{n}-phases.yaml"
-    write_recipe(recipe, ckpt, out, cache, True, args, shard)
+    write_recipe(recipe, ckpt, out, cache, "identity", args, shard)
     log(f"  phases profile (+identity), {n} layers ...")
     r = run_worker("phases", recipe, args.malloc_mmap_threshold)
     shutil.rmtree(out, ignore_errors=True)
@@ -417,6 +424,7 @@ def main() -> None:
     )
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
     ap.add_argument("--phases", action="store_true", help="also profile the executor's phases per depth")
+    ap.add_argument("--heapr", action="store_true", help="also run analyze + heapr (ratio 0.5, ragged output)")
     ap.add_argument(
         "--malloc-mmap-threshold",
         type=int,
@@ -434,7 +442,9 @@ def main() -> None:
         f"one layer's experts = {layer / GB:.3f} GB; depths {layers}"
     )
 
-    variants = [("analyze+grad", False), ("+identity", True)]
+    variants = [("analyze+grad", None), ("+identity", "identity")]
+    if args.heapr:
+        variants.append(("analyze+heapr", "heapr"))
     results: dict[tuple[str, int], dict] = {}
     totals: dict[int, int] = {}
     phases: dict[int, dict] = {}
@@ -448,8 +458,8 @@ def main() -> None:
             validate(ckpt, n)
             shard = int(args.shard_mb * MB) if args.shard_mb else int(1.05 * decoder_layer_bytes(ckpt))
             log(f"  checkpoint {totals[n] / GB:.2f} GB; recipe max_shard_size {shard / MB:.0f} MB")
-            for name, identity in variants:
-                results[name, n] = measure(name, identity, n, ckpt, work, args, shard)
+            for name, tail in variants:
+                results[name, n] = measure(name, tail, n, ckpt, work, args, shard)
             if args.phases:
                 phases[n] = profile(n, ckpt, work, args, shard)
             if not args.keep:

@@ -10,6 +10,10 @@ ablating each expert of that layer does to perplexity.
    a massive activation. Profiles again: the profiler must report exactly that expert.
 3. Ablates (``ablate_experts``) each expert of that layer in turn, in the planted model and in the
    original, and evaluates perplexity on the held-out split of the corpus (``moecompress eval``).
+4. Compresses the planted model with ``heapr`` (ratio 0.5) and ``expert_prune`` (ratio 0.5, reap),
+   with and without ``protect_super_experts`` first: is the planted expert kept bit-identical, what is
+   left of the top massive activation of its layer (step report), and perplexity.
+   ``--compress-only`` runs only this part.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 import moecompress as mc
@@ -49,12 +54,49 @@ def ablation_ppl(
     return out
 
 
+COMPRESS = [("heapr 50%", {"heapr": {"ratio": 0.5}}),
+            ("expert_prune 50% (reap)", {"expert_prune": {"ratio": 0.5, "method": "reap"}})]  # fmt: skip
+
+
+def compression_on_planted(planted: Path, work: Path, cal: dict, texts: list[str], tokens: int) -> None:
+    """Issue acceptance: heapr and expert_prune at 50% with and without protection of the planted expert."""
+    orig = mc.open_checkpoint(planted).read_layer(LAYER).experts
+    print(f"\n## Compressing the planted model (layer {LAYER}, expert {EXPERT})\n")
+    print("| step | protected | planted expert after | bit-identical | massive ratio (layer) | perplexity |")
+    print("|---|---|---|---|---:|---:|")
+    for label, step in COMPRESS:
+        for protect in (True, False):
+            out = work / f"compress-{next(iter(step))}-{protect}"
+            steps = [{"protect_super_experts": {}}] if protect else []
+            mc.apply({"model": str(planted), "output": str(out), "calibration": cal, "steps": [*steps, step]},
+                     progress=False)  # fmt: skip
+            name = next(iter(step))
+            rep = json.loads((out / "steps" / f"{len(steps) + 1:02d}-{name}" / "report.json").read_text())
+            row = {r["layer"]: r for r in rep["layers"]}[LAYER]
+            layer = mc.open_checkpoint(out).read_layer(LAYER)
+            kept = row["info"].get("kept_experts", list(range(layer.router.num_experts)))
+            if EXPERT not in kept:
+                state, same = "removed", False
+            else:
+                new = layer.physical(kept.index(EXPERT))
+                same = all(
+                    torch.equal(getattr(orig, p).expert(EXPERT), getattr(layer.experts, p).expert(new))
+                    for p in ("gate", "up", "down")
+                )
+                state = f"kept, width {layer.experts.width_of(new)} of {orig.width}"
+            ppl = mc.evaluate(out, texts=texts, max_tokens=tokens)["perplexity"]
+            ratio = row.get("massive_ratio", float("nan"))
+            print(f"| {label} | {'yes' if protect else 'no'} | {state} | {same} | {ratio:.3f} | {ppl:.2f} |")
+            shutil.rmtree(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--compress-only", action="store_true", help="skip the profiles and the ablation table")
     args = ap.parse_args()
     data = Path(args.shared) / "data"
     corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
@@ -66,6 +108,23 @@ def main() -> None:
     }
     work = Path(tempfile.mkdtemp(prefix="se-bench-"))
     cal["cache_dir"] = str(work / "cache")
+    if not args.compress_only:
+        profiles(data, work, cal)
+    base = data / "models" / "ref-qwen3moe"
+    planted = work / "planted"
+    shutil.copytree(base, planted)
+    tensors = load_file(planted / "model.safetensors")
+    key = f"model.layers.{LAYER}.mlp.experts.{EXPERT}.down_proj.weight"
+    tensors[key][CHANNEL] *= SCALE
+    save_file(tensors, planted / "model.safetensors", metadata={"format": "pt"})
+    texts = [f"file:{p}" for p in corpus]
+    if not args.compress_only:
+        planted_ablation(base, planted, key, work, cal, texts, args.eval_tokens)
+    compression_on_planted(planted, work, cal, texts, args.eval_tokens)
+    shutil.rmtree(work)
+
+
+def profiles(data: Path, work: Path, cal: dict) -> None:
     print("## Profiles (max |down_proj output| per expert)\n")
     print(
         "| model | threshold | P99.5 | max/10 | super experts | per MoE layer: top-5 magnitudes |\n|---|---:|---:|---:|---|---|"
@@ -79,13 +138,11 @@ def main() -> None:
         print(
             f"| {name} | {s['threshold']:.2f} | {s['P99.5']:.2f} | {s['max_over_10']:.2f} | {s['super_experts'] or 'none'} | {tops} |"
         )
-    base = data / "models" / "ref-qwen3moe"
-    planted = work / "planted"
-    shutil.copytree(base, planted)
-    tensors = load_file(planted / "model.safetensors")
-    key = f"model.layers.{LAYER}.mlp.experts.{EXPERT}.down_proj.weight"
-    tensors[key][CHANNEL] *= SCALE
-    save_file(tensors, planted / "model.safetensors", metadata={"format": "pt"})
+
+
+def planted_ablation(
+    base: Path, planted: Path, key: str, work: Path, cal: dict, texts: list[str], tokens: int
+) -> None:
     rep = profile(planted, work / "prof-planted", cal)
     info = {r["layer"]: r["info"] for r in rep["layers"]}[LAYER]
     print(f"\n## Planted: {key} row {CHANNEL} x{SCALE:g}\n")
@@ -93,12 +150,11 @@ def main() -> None:
         f"super experts found: {rep['summary']['super_experts']} (channels {info['channels']}); "
         f"layer {LAYER} top-5: {info['top'][:5]}"
     )
-    texts = [f"file:{p}" for p in corpus]
     n = len(info["magnitudes"])
-    ppl_planted = mc.evaluate(planted, texts=texts, max_tokens=args.eval_tokens)["perplexity"]
-    ppl_base = mc.evaluate(base, texts=texts, max_tokens=args.eval_tokens)["perplexity"]
-    abl_planted = ablation_ppl(planted, work, cal, texts, args.eval_tokens, n)
-    abl_base = ablation_ppl(base, work, cal, texts, args.eval_tokens, n)
+    ppl_planted = mc.evaluate(planted, texts=texts, max_tokens=tokens)["perplexity"]
+    ppl_base = mc.evaluate(base, texts=texts, max_tokens=tokens)["perplexity"]
+    abl_planted = ablation_ppl(planted, work, cal, texts, tokens, n)
+    abl_base = ablation_ppl(base, work, cal, texts, tokens, n)
     print(f"\nperplexity: original {ppl_base:.2f}, planted {ppl_planted:.2f}\n")
     print(
         f"| expert of layer {LAYER} ablated | ppl (planted model) | ppl (original model) |\n|---:|---:|---:|"
@@ -106,7 +162,6 @@ def main() -> None:
     for e in range(n):
         mark = " (planted)" if e == EXPERT else ""
         print(f"| {e}{mark} | {abl_planted[e]:.2f} | {abl_base[e]:.2f} |")
-    shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ CATALOGUE: dict[str, StatInfo] = {
     "expert_out_norm_mean": StatInfo("forward", "[E]", "mean over routed tokens of ||y||_2"),
     "reap_saliency": StatInfo("forward", "[E]", "mean over routed tokens of routing weight * ||y||_2 (REAP)"),
     "act_sq_mean": StatInfo("forward", "[E, I]", "mean over routed tokens of h^2, per neuron"),
+    "expert_in_sq_mean": StatInfo("forward", "[E, H]", "mean over routed tokens of x^2, per input channel"),
     "down_out_absmax": StatInfo("forward", "[E]", "max |y| over routed tokens and channels"),
     "down_out_argmax": StatInfo("forward", "[E]", "channel of down_out_absmax"),
     "shared_down_out_absmax": StatInfo("forward", "[S]", "max |y| of the shared expert(s)"),
@@ -82,6 +83,7 @@ class StatsCollector:
         }
         self._absmax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights: torch.Tensor | None = None
+        self._x: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -126,6 +128,7 @@ class StatsCollector:
         if self.mode != "stats":
             return
         self._n_tokens += x.shape[0]
+        self._x = x
         if "input_cov" in self.names:
             xf = x.detach().float()
             self._add("input_cov", xf.T @ xf)
@@ -155,6 +158,9 @@ class StatsCollector:
         self._count("routed", e, n)
         if "act_sq_mean" in self.names:
             self._add("act_sq_mean", (h.detach().float() ** 2).sum(0), e)
+        if "expert_in_sq_mean" in self.names:
+            assert self._x is not None
+            self._add("expert_in_sq_mean", (self._x[tok].detach().float() ** 2).sum(0), e)
         if {"expert_out_norm_mean", "reap_saliency"} & self.names:
             norms = y.detach().float().norm(dim=-1)
             self._add("expert_out_norm_mean", norms.sum(), e)
@@ -205,7 +211,7 @@ class StatsCollector:
                 v = s / t
             elif name == "expert_counts":
                 v = s
-            elif name in ("act_sq_mean", "expert_out_norm_mean", "reap_saliency"):
+            elif name in ("act_sq_mean", "expert_in_sq_mean", "expert_out_norm_mean", "reap_saliency"):
                 v = s / per_expert.view(-1, *([1] * (s.dim() - 1)))
             elif name == "down_in_cov":
                 v = s / per_expert.view(-1, 1, 1)

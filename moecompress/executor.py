@@ -183,11 +183,18 @@ def calibrate_stats(
 def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path) -> dict[int, dict[int, Any]]:
     """``{step number: {layer: decision}}`` for the steps that declare a cross-layer plan."""
     plans: dict[int, dict[int, Any]] = {}
+    protected = {i: set(ckpt.protected.get(i, ())) for i in ckpt.moe_layer_indices}
     for step in recipe.steps:
         if step.spec.plan is None:
             continue
-        all_stats = {i: LayerStats(i, load_layer(entry, i, step.spec.needs)) for i in ckpt.moe_layer_indices}
+        all_stats = {
+            i: LayerStats(i, load_layer(entry, i, step.spec.needs), protected=frozenset(protected[i]))
+            for i in ckpt.moe_layer_indices
+        }
         plans[step.number] = step.spec.plan(all_stats, step.config)
+        if step.spec.protects is not None:
+            for i, decision in plans[step.number].items():
+                protected[i] |= set(step.spec.protects(decision))
     return plans
 
 

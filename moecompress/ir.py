@@ -111,8 +111,20 @@ class ExpertBank:
             raise LayoutError(f"up shape {self.up.shape} != gate shape {(e, i, h)}")
         if self.down.shape != (e, h, i):
             raise LayoutError(f"down shape {self.down.shape} != expected {(e, h, i)}")
+        own = [
+            lay.widths for lay in (self.gate, self.up, self.down) if getattr(lay, "widths", None) is not None
+        ]
+        if own and self.widths is None:  # a ragged layout carries the live widths itself
+            object.__setattr__(self, "widths", own[0].to(torch.int64))
         if self.widths is not None and tuple(self.widths.shape) != (e,):
             raise LayoutError(f"widths must have shape ({e},), got {tuple(self.widths.shape)}")
+        for w in own:
+            if (
+                self.widths.device.type != "meta"
+                and w.device.type != "meta"
+                and not torch.equal(w.to(torch.int64), self.widths.to(torch.int64))
+            ):
+                raise LayoutError("the ragged layouts' widths and the bank's widths disagree")
         expect = {"gate": (e, i), "up": (e, i), "down": (e, h)}
         for name, b in self.biases.items():
             if name not in expect or tuple(b.shape) != expect[name]:

@@ -11,6 +11,7 @@ is byte-identical to an uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -28,7 +29,12 @@ from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
 from moecompress.io.writer import ShardWriter, move_into_place
 from moecompress.ir import MoELayer
-from moecompress.protection import MASSIVE_RATIO_WARNING, TopActivation, protection_violations
+from moecompress.protection import (
+    MASSIVE_RATIO_WARNING,
+    RENUMBER_KEY,
+    TopActivation,
+    protection_violations,
+)
 from moecompress.recipe import Recipe, Step
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats
@@ -62,7 +68,7 @@ def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, 
         raise PassError(f"{step.label}: a pass must return (MoELayer, dict), got {type(new).__name__}")
     if step.spec.report_only:
         return layer, info
-    broken = protection_violations(layer, new)
+    broken = protection_violations(layer, new, info.get(RENUMBER_KEY))
     if broken:
         raise PassError(
             f"{step.label}, layer {layer.index}: {broken[0]} ({len(broken)} violation(s)); protected (super) "
@@ -261,7 +267,9 @@ class _Run:
             )
             _write_json_atomic(self.dirs[n] / "config.json", cfg)
         steps, warnings = [], []
+        model_params = sum(math.prod(self.ckpt.reader.shape(k)) for k in self.ckpt.reader.keys)  # whole model
         for step in self.rec.steps:
+            delta = sum(r["params_before"] - r["params_after"] for r in self.rows[step.number])
             extra = step.spec.summarize(self.infos[step.number], step.config) if step.spec.summarize else {}
             extra.setdefault("warnings", [])
             extra["warnings"] = [*extra["warnings"], *_massive_warnings(self.rows[step.number])]
@@ -274,6 +282,8 @@ class _Run:
                 ],
                 "seconds": round(self.seconds[step.number], 3),
                 "peak_rss_mb": round(self.peak[step.number], 1),
+                "model_params_before": model_params,
+                "model_params_after": model_params - delta,
                 "summary": extra.get("summary", {}),
                 "warnings": extra.get("warnings", []),
                 "plots": extra.get("plots", []),
@@ -294,8 +304,11 @@ class _Run:
                     "bytes_before": sum(r["bytes_before"] for r in rows),
                     "bytes_after": sum(r["bytes_after"] for r in rows),
                     "seconds": report["seconds"],
+                    "model_params_before": model_params,
+                    "model_params_after": model_params - delta,
                 }
             )
+            model_params -= delta
         run = {
             "recipe": self.rec.to_dict(),
             "model": self.rec.model,

@@ -6,13 +6,19 @@ projection's layout (``dataclasses.replace(bank, gate=Ragged(...))``) without to
 the layer, and the reference forward only ever calls the methods below, so it is correct for every
 layout that implements them.
 
-Only :class:`Dense` exists today; pruned (ragged), factorised (Tucker) and codebook layouts are added
-by the passes that produce them. A new layout implements ``shape``, ``dtype``, ``expert``,
-``tensors``, ``meta`` and ``from_tensors``; ``apply`` and ``dense`` have correct defaults.
+:class:`Dense` stores ``[E, out, in]``; :class:`Ragged` stores pruned experts compactly (each expert's
+live rows only). Factorised (Tucker) and codebook layouts are added by the passes that produce them. A
+new layout implements ``shape``, ``dtype``, ``expert``, ``tensors``, ``meta`` and ``from_tensors``;
+``apply`` and ``dense`` have correct defaults.
+
+**Live widths.** A bank of pruned experts keeps, per expert ``e``, only its first ``widths[e]``
+intermediate neurons (gate/up rows, down columns). :meth:`Layout.apply` takes ``rows``/``cols`` so the
+forward multiplies by the live part only (time proportional to the kept width).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -59,11 +65,19 @@ class Layout(ABC):
     def num_experts(self) -> int:
         return self.shape[0]
 
-    def apply(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """``x @ W[e].T`` for ``x`` of shape ``[T, in]``. Compressed layouts override this to avoid
-        materialising the dense weight."""
-        w = self.expert(e)
+    def apply(
+        self, x: torch.Tensor, e: int, *, rows: int | None = None, cols: int | None = None
+    ) -> torch.Tensor:
+        """``x @ W[e][:rows, :cols].T`` for ``x`` of shape ``[T, cols or in]``: the live part of expert
+        ``e`` (``rows``: live outputs of gate/up; ``cols``: live inputs of down). Compressed layouts
+        override this to avoid materialising the dense weight."""
+        w = self.expert(e)[:rows, :cols]
         return F.linear(x.to(w.dtype), w)
+
+    def cast(self, dtype: torch.dtype) -> Layout:
+        """This layout with its floating-point storage in ``dtype`` (compute dtype of calibration and
+        evaluation); layouts whose storage is not a plain float tensor return themselves."""
+        return self
 
     def dense(self) -> torch.Tensor:
         """All experts as one dense ``[E, out, in]`` tensor."""
@@ -103,6 +117,9 @@ class Dense(Layout):
     def expert(self, e: int) -> torch.Tensor:
         return self.weight[e]
 
+    def cast(self, dtype: torch.dtype) -> Dense:
+        return self if self.weight.dtype == dtype else Dense(self.weight.to(dtype))
+
     def dense(self) -> torch.Tensor:
         return self.weight
 
@@ -119,5 +136,103 @@ class Dense(Layout):
         return cls(tensors["weight"])
 
 
-LAYOUTS: dict[str, type[Layout]] = {Dense.kind: Dense}
+@dataclass(frozen=True, eq=False)
+class Ragged(Layout):
+    """Per-expert live widths stored without padding (the result of neuron pruning).
+
+    ``axis="out"`` (gate/up, logical ``[E, width, H]``): ``rows`` ``[sum(widths), H]`` holds expert 0's
+    live rows, then expert 1's, ... ``axis="in"`` (down, logical ``[E, H, width]``): ``rows``
+    ``[sum(widths), H]`` holds the live *columns*, transposed, in the same order, so every expert's slice
+    is contiguous for both projections. Neurons beyond ``widths[e]`` are zero in the logical view.
+    """
+
+    rows: torch.Tensor
+    widths: torch.Tensor
+    width: int
+    axis: str
+    kind: ClassVar[str] = "ragged"
+
+    def __post_init__(self) -> None:
+        if self.axis not in ("out", "in"):
+            raise LayoutError(f"Ragged axis must be 'out' or 'in', got {self.axis!r}")
+        if self.rows.dim() != 2 or self.widths.dim() != 1:
+            raise LayoutError(
+                f"Ragged layout needs rows [N, H] and widths [E]; got {tuple(self.rows.shape)} and "
+                f"{tuple(self.widths.shape)}"
+            )
+        if self.widths.device.type != "meta" and self.rows.device.type != "meta":
+            total, wmax = int(self.widths.sum()), int(self.widths.max()) if self.widths.numel() else 0
+            if total != self.rows.shape[0] or wmax > self.width or int(self.widths.min()) < 0:
+                raise LayoutError(
+                    f"Ragged widths (sum {total}, max {wmax}) do not fit rows {tuple(self.rows.shape)} "
+                    f"and width {self.width}"
+                )
+        object.__setattr__(self, "_offsets", torch.cat([self.widths.new_zeros(1), self.widths.cumsum(0)]))
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, keep: list[torch.Tensor], axis: str) -> Ragged:
+        """Keep neurons ``keep[e]`` (indices along the width axis) of each expert of ``weight``."""
+        if axis == "out":
+            parts = [weight[e].index_select(0, k) for e, k in enumerate(keep)]
+        else:
+            parts = [weight[e].index_select(1, k).T for e, k in enumerate(keep)]
+        rows = torch.cat(parts).contiguous() if parts else weight.new_zeros(0, weight.shape[-1])
+        width = weight.shape[1] if axis == "out" else weight.shape[2]
+        return cls(rows, torch.tensor([len(k) for k in keep], dtype=torch.int64), int(width), axis)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, h = int(self.widths.shape[0]), int(self.rows.shape[1])
+        return (e, self.width, h) if self.axis == "out" else (e, h, self.width)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    def cast(self, dtype: torch.dtype) -> Ragged:
+        return self if self.rows.dtype == dtype else dataclasses.replace(self, rows=self.rows.to(dtype))
+
+    def live(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s live neurons as stored: ``[widths[e], H]``."""
+        a, b = int(self._offsets[e]), int(self._offsets[e + 1])  # type: ignore[attr-defined]
+        return self.rows[a:b]
+
+    def expert(self, e: int) -> torch.Tensor:
+        part = self.live(e)
+        full = part.new_zeros(self.width, part.shape[1])
+        full[: part.shape[0]] = part
+        return full if self.axis == "out" else full.T
+
+    def apply(
+        self, x: torch.Tensor, e: int, *, rows: int | None = None, cols: int | None = None
+    ) -> torch.Tensor:
+        live = int(self.widths[e])
+        if (self.axis == "out" and rows == live and cols is None) or (
+            self.axis == "in" and cols == live and rows is None
+        ):
+            part = self.live(e)
+            return F.linear(x.to(part.dtype), part if self.axis == "out" else part.T)
+        return super().apply(x, e, rows=rows, cols=cols)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"rows": self.rows, "widths": self.widths.to(torch.int32)}
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "axis": self.axis,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Ragged:
+        if set(tensors) != {"rows", "widths"}:
+            raise LayoutError(f"Ragged layout needs 'rows' and 'widths' tensors, got {sorted(tensors)}")
+        shape, axis = meta["shape"], meta.get("axis", "out")
+        width = shape[1] if axis == "out" else shape[2]
+        return cls(tensors["rows"], tensors["widths"].to(torch.int64), int(width), axis)
+
+
+LAYOUTS: dict[str, type[Layout]] = {Dense.kind: Dense, Ragged.kind: Ragged}
 """Layout kinds by name, for deserialisation. Passes that add layouts register them here."""

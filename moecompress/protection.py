@@ -9,15 +9,23 @@ each protected logical expert ``e``:
 - its router row (and router bias / selection bias entry) is unchanged;
 - the physical expert it runs has bit-identical gate/up/down weights, biases and live width;
 - no other logical expert is merged into it (it is never a member or target of a merge).
+
+A step that removes whole experts renumbers the survivors; it reports, in ``info[RENUMBER_KEY]``, the
+old logical id of every expert it kept, in the new order (new id ``j`` was old id ``kept[j]``), and each
+protected expert is then compared with its new id (it must be among the kept ones).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from moecompress.ir import MoELayer
 
 PROJ = ("gate", "up", "down")
+RENUMBER_KEY = "kept_experts"
+"""Step ``info`` key of a renumbering: old logical ids of the kept experts, in the new order."""
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -26,20 +34,28 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def protection_violations(before: MoELayer, after: MoELayer) -> list[str]:
-    """Human-readable violations of the contract by a step that turned ``before`` into ``after``."""
+def protection_violations(before: MoELayer, after: MoELayer, kept: Sequence[int] | None = None) -> list[str]:
+    """Human-readable violations of the contract by a step that turned ``before`` into ``after``;
+    ``kept``: the step's renumbering (``info[RENUMBER_KEY]``), ``None`` when ids are unchanged."""
     out: list[str] = []
+    if kept is not None and len(kept) != after.router.num_experts:
+        return [f"the step reports {len(kept)} kept experts but its layer has {after.router.num_experts}"]
+    new_id = None if kept is None else {int(old): new for new, old in enumerate(kept)}
     for e in sorted(before.protected):
-        if e not in after.protected:
+        n = e if new_id is None else new_id.get(e)
+        if n is None:
+            out.append(f"protected expert {e} was removed")
+            continue
+        if n not in after.protected:
             out.append(f"expert {e} lost its protection")
             continue
-        if e >= after.router.num_experts or not _same(before.router_weight[e], after.router_weight[e]):
+        if n >= after.router.num_experts or not _same(before.router_weight[e], after.router_weight[n]):
             out.append(f"router row of protected expert {e} changed")
         for name in ("router_bias", "score_bias"):
             b, a = getattr(before, name), getattr(after, name)
-            if (b is None) != (a is None) or (b is not None and not _same(b[e], a[e])):
+            if (b is None) != (a is None) or (b is not None and not _same(b[e], a[n])):
                 out.append(f"{name} of protected expert {e} changed")
-        p0, p1 = before.physical(e), after.physical(e)
+        p0, p1 = before.physical(e), after.physical(n)
         for name in PROJ:
             if not _same(getattr(before.experts, name).expert(p0), getattr(after.experts, name).expert(p1)):
                 out.append(f"{name} weights of protected expert {e} changed")

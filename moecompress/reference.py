@@ -100,19 +100,18 @@ def expert_forward(
     """Output ``[T, H]`` of physical expert ``e`` of ``bank`` on tokens ``x`` ``[T, H]`` (unweighted).
 
     ``observe(h)`` is called with the down-projection input ``h`` ``[T, I]`` (calibration statistics)."""
-    g = bank.gate.apply(x, e)
-    u = bank.up.apply(x, e)
-    if "gate" in bank.biases:
-        g = g + bank.biases["gate"][e]
-    if "up" in bank.biases:
-        u = u + bank.biases["up"][e]
-    h = _act(bank, g, u)
     live = bank.width_of(e)
-    if live < bank.width:  # pruned neurons take no part in the forward
-        h = torch.cat([h[:, :live], h.new_zeros(h.shape[0], bank.width - live)], dim=1)
-    if observe is not None:
-        observe(h)
-    y = bank.down.apply(h, e)
+    cut = live if live < bank.width else None  # pruned neurons take no part in the forward
+    g = bank.gate.apply(x, e, rows=cut)
+    u = bank.up.apply(x, e, rows=cut)
+    if "gate" in bank.biases:
+        g = g + bank.biases["gate"][e][:live]
+    if "up" in bank.biases:
+        u = u + bank.biases["up"][e][:live]
+    h = _act(bank, g, u)
+    if observe is not None:  # statistics see the logical width (pruned neurons read 0)
+        observe(h if cut is None else torch.cat([h, h.new_zeros(h.shape[0], bank.width - live)], dim=1))
+    y = bank.down.apply(h, e, cols=cut)
     if "down" in bank.biases:
         y = y + bank.biases["down"][e]
     return y

@@ -17,6 +17,9 @@ A pass is a pure function ``(layer, stats, cfg) -> (layer, info)``::
   raises :class:`~moecompress.errors.PassError` when the recipe is impossible.
 - ``modifies_experts``: whether the pass may change expert weights (protection checks use it).
 - ``report_only``: the step only reports (``analyze``); it never writes a checkpoint.
+- ``protects(decision) -> ids``: for a step whose plan decides protection (``protect_super_experts``),
+  the expert ids its plan protects in that layer, so that the plans of later steps already see them in
+  ``stats.protected`` (budgets across layers must leave protected experts out).
 - ``summarize(infos: dict[int, dict], cfg) -> dict``: turns the per-layer ``info`` dicts into the step
   report's ``summary``, ``warnings`` and extra ``plots`` (keys of the returned dict).
 
@@ -50,6 +53,9 @@ class LayerStats:
     index: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     plan: Any = None
+    protected: frozenset[int] = frozenset()
+    """In plans: expert ids protected before this step (the checkpoint's record plus earlier steps'
+    ``protects``). Passes read ``layer.protected`` instead, which is authoritative."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
@@ -80,6 +86,7 @@ class PassSpec:
     plan: Callable[[dict[int, LayerStats], Any], dict[int, Any]] | None = None
     check: Callable[[MoELayer, Any], None] | None = None
     summarize: Callable[[dict[int, dict], Any], dict] | None = None
+    protects: Callable[[Any], Iterable[int]] | None = None
 
     @property
     def summary(self) -> str:
@@ -100,6 +107,7 @@ def register_pass(
     plan: Callable | None = None,
     check: Callable | None = None,
     summarize: Callable | None = None,
+    protects: Callable | None = None,
 ) -> Callable[[PassFn], PassFn]:
     """Decorator registering a pass under ``name`` (a recipe step key)."""
 
@@ -121,6 +129,7 @@ def register_pass(
             plan=plan,
             check=check,
             summarize=summarize,
+            protects=protects,
         )
         return fn
 

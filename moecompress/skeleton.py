@@ -27,7 +27,6 @@ from torch import nn
 from moecompress.errors import CheckpointError
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts import Dense
 from moecompress.reference import moe_forward
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
             return None
         lays = []
         for lay in (b.gate, b.up, b.down):
-            lays.append(Dense(lay.weight.to(dtype)) if isinstance(lay, Dense) and lay.dtype != dtype else lay)
+            lays.append(lay.cast(dtype))
         biases = {k: v.to(dtype) for k, v in b.biases.items()}
         return ExpertBank(*lays, widths=b.widths, biases=biases, act=b.act, alpha=b.alpha, limit=b.limit)
 

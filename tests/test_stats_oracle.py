@@ -20,7 +20,7 @@ from moecompress.calibration.sweep import Batches, run_calibration
 from moecompress.skeleton import InstrumentedMoE, Skeleton
 
 NEEDS = {
-    "act_sq_mean", "input_cov", "expert_counts", "router_prob_mean", "router_entropy", "reap_saliency",
+    "act_sq_mean", "expert_in_sq_mean", "input_cov", "expert_counts", "router_prob_mean", "router_entropy", "reap_saliency",
     "expert_out_norm_mean", "down_out_absmax", "down_out_argmax", "down_in_cov", "down_in_cov_pooled",
     "io_sample", "grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled",
 }  # fmt: skip

@@ -39,6 +39,9 @@ class Adapter(ABC):
     """config attribute holding the routed expert count (the spelling this model type writes)."""
     width_key: ClassVar[str]
     """config attribute holding the routed expert width."""
+    stock_width_change: ClassVar[bool] = True
+    """whether a narrower routed-expert width can be written as a stock checkpoint by changing
+    ``width_key`` alone (false where other modules' sizes derive from it)."""
     module_attr: ClassVar[str] = "mlp"
     """attribute of transformers' decoder layer that holds the MoE block (in memory)."""
     module_returns_tuple: ClassVar[bool] = False

@@ -16,6 +16,7 @@ class DeepseekV2Adapter(PerExpertAdapter):
     count_key = "n_routed_experts"
     width_key = "moe_intermediate_size"
     shared_name = "shared_experts"
+    stock_width_change = False  # the shared experts' width is moe_intermediate_size * n_shared_experts
 
     def __init__(self, config) -> None:
         super().__init__(config)

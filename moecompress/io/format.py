@@ -32,9 +32,13 @@ FORMAT_VERSION = 1
 PROJ = ("gate", "up", "down")
 
 
-def is_stock(layer: MoELayer) -> bool:
-    """Whether the architecture's own tensor names can express ``layer`` exactly."""
+def is_stock(layer: MoELayer, adapter=None) -> bool:
+    """Whether the architecture's own tensor names (and config) can express ``layer`` exactly. With
+    ``adapter``, a changed expert width counts only where the stock config can say it (not DeepSeek,
+    whose shared-expert width is tied to ``moe_intermediate_size``)."""
     bank = layer.experts
+    if adapter is not None and not adapter.stock_width_change and bank.width != adapter.expert_width:
+        return False
     dense = all(isinstance(lay, Dense) for lay in (bank.gate, bank.up, bank.down))
     full = bank.widths is None or bool((bank.widths == bank.width).all())
     shared_dense = layer.shared is None or all(
@@ -45,7 +49,7 @@ def is_stock(layer: MoELayer) -> bool:
 
 def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """On-disk tensors of ``layer`` and its description (``None`` for a stock layer)."""
-    if is_stock(layer):
+    if is_stock(layer, adapter):
         return adapter.layer_tensors(layer), None
     out = adapter.router_tensors(layer)
     p = adapter.experts_key(layer.index)
@@ -132,7 +136,8 @@ def read_compressed_layer(
 
 
 def layer_shape(layer: MoELayer) -> list[int]:
-    """``[router experts, expert width]``: what the stock config keys must say for this layer."""
+    """``[router experts, expert width]``: what the stock config keys must say for this layer (the
+    width only matters for layers written under stock names)."""
     return [layer.router.num_experts, layer.experts.width]
 
 
@@ -153,9 +158,11 @@ def config_with_layers(
         cfg["moecompress"] = {"format": FORMAT_VERSION, **(provenance or {}), "layers": layers}
     if layers:
         cfg["quantization_config"] = {"quant_method": "moecompress", "format": FORMAT_VERSION}
-        return cfg
+    # router rows are always stock modules; expert widths only for the layers written under stock names
     counts = {c for c, _ in shapes.values()}
-    widths = {w for _, w in shapes.values()}
+    widths = {w for i, (_, w) in shapes.items() if not descs.get(i)}
+    if not widths and counts:
+        widths = {int(getattr(adapter.config, adapter.width_key))}
     if len(counts) > 1 or len(widths) > 1:
         raise LayoutError(
             f"layers with different expert counts {sorted(counts)} or widths {sorted(widths)} cannot share one "

@@ -104,7 +104,7 @@ def _summarize(infos: dict[int, dict], cfg: SuperExpertsConfig) -> dict:
 
 @register_pass(
     "protect_super_experts", SuperExpertsConfig, needs=NEEDS, modifies_experts=False, plan=_plan,
-    summarize=_summarize,
+    summarize=_summarize, protects=lambda d: [*d["auto"], *d["manual"]],
 )  # fmt: skip
 def protect_super_experts(
     layer: MoELayer, stats: LayerStats, cfg: SuperExpertsConfig

@@ -1,0 +1,81 @@
+"""``neuron_prune``: gradient-free baselines for atomic-expert pruning (the units of ``heapr``).
+
+Each neuron ``k`` of routed expert ``e`` (row ``k`` of gate and up, column ``k`` of down) is scored
+without gradients, then pruned exactly like ``heapr`` (:mod:`moecompress.pruning`: ``ratio`` = fraction
+of routed-expert neurons = parameters removed, ``align``, ``min_width``, ``unseen``, ``ragged`` or
+``uniform`` layout; protected experts untouched):
+
+- ``magnitude``: ``‖[W_g[k,:], W_u[k,:], W_d[:,k]]‖₂``, the weight norm of the unit (no calibration
+  data; ``unseen`` does not apply);
+- ``wanda``: Wanda's ``|W|·‖x‖`` summed over the unit's weights, with RMS activations over the tokens
+  routed to the expert (``x`` the expert input, ``h`` the down-projection input):
+  ``Σ_j |W_g[k,j]|·rms(x_j) + Σ_j |W_u[k,j]|·rms(x_j) + rms(h_k)·Σ_i |W_d[i,k]|``
+  (Sun et al., "A Simple and Effective Pruning Approach for Large Language Models", ICLR 2024,
+  adapted from weights to neurons).
+
+Ranking is per layer (``scope: layer`` only): weight-based scores are not comparable across layers (their
+scale differs per layer), which is what HEAPr's loss-based score fixes.
+
+Statistics: ``expert_counts``; ``wanda`` adds ``expert_in_sq_mean`` and ``act_sq_mean`` (forward only).
+
+Example steps::
+
+    steps:
+      - neuron_prune: {method: wanda, ratio: 0.25}
+      - neuron_prune: {method: magnitude, ratio: 0.5, layout: uniform}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from moecompress.errors import PassError
+from moecompress.ir import MoELayer
+from moecompress.pruning import NeuronPruneOptions, check_prunable, neuron_norms, prune, summarize_pruning
+from moecompress.registry import LayerStats, register_pass
+
+NEEDS = {"expert_counts", "expert_in_sq_mean", "act_sq_mean"}
+
+
+class NeuronPruneConfig(NeuronPruneOptions):
+    method: Literal["magnitude", "wanda"] = Field("wanda", description="neuron score")
+    scope: Literal["layer"] = Field("layer", description="ranking scope (per layer only; see the docstring)")
+
+
+def wanda_scores(layer: MoELayer, stats: LayerStats) -> torch.Tensor:
+    """``[E, I]`` Wanda score per neuron (float64)."""
+    bank = layer.experts
+    x = stats["expert_in_sq_mean"].double().sqrt()  # [E, H]
+    h = stats["act_sq_mean"].double().sqrt()  # [E, I]
+    if tuple(x.shape) != (bank.num_experts, bank.hidden_size) or tuple(h.shape) != (
+        bank.num_experts,
+        bank.width,
+    ):
+        raise PassError(
+            f"statistics shapes {tuple(x.shape)}/{tuple(h.shape)} do not match the layer's experts; run this "
+            "step before steps that change the experts"
+        )
+    g, u, d = (lay.dense().double().abs() for lay in (bank.gate, bank.up, bank.down))
+    return torch.einsum("eih,eh->ei", g + u, x) + h * d.sum(1)
+
+
+@register_pass(
+    "neuron_prune", NeuronPruneConfig, needs=NEEDS, check=lambda layer, cfg: check_prunable(layer, cfg),
+    summarize=summarize_pruning,
+)  # fmt: skip
+def neuron_prune(layer: MoELayer, stats: LayerStats, cfg: NeuronPruneConfig) -> tuple[MoELayer, dict]:
+    """Prune routed-expert neurons by weight magnitude or Wanda score (gradient-free baselines)."""
+    check_prunable(layer, cfg)
+    if cfg.method == "magnitude":
+        scores = neuron_norms(layer.experts).double()
+        # magnitude needs no tokens: no expert is "unseen"
+        stats = LayerStats(
+            stats.index, {**stats.tensors, "expert_counts": torch.ones(layer.router.num_experts)}
+        )
+    else:
+        scores = wanda_scores(layer, stats)
+    new, info = prune(layer, scores, stats, cfg)
+    return new, {**info, "method": cfg.method}

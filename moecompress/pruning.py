@@ -1,0 +1,309 @@
+"""Neuron (atomic-expert) pruning shared by ``heapr`` and ``neuron_prune``: budget, widths, slicing.
+
+**Unit.** An atomic expert is neuron ``k`` of routed expert ``e``: row ``k`` of ``gate`` and ``up`` and
+column ``k`` of ``down`` (``3·H`` parameters, plus GPT-OSS's two bias entries). ``ratio`` is the
+fraction of routed-expert neurons removed, which is the fraction of routed-expert parameters removed.
+Shared experts, routers and dense layers are never touched.
+
+**Selection** (given a score per neuron, higher = more important). Each expert's neurons are sorted by
+score; an expert may keep only an *allowed* width: a multiple of ``align`` that is at least
+``min_width`` (rounded up to ``align``), or its full width. Going from one allowed width down to the
+next removes a *unit* (its lowest-scored neurons) whose cost is the sum of their scores. All units of
+all eligible experts in the scope (one layer, or every MoE layer for a global ranking) are sorted by
+cost (made non-decreasing from each expert's tail, so that every prefix of the order is a valid set of
+suffix removals) and removed cheapest first until ``round(ratio · N)`` neurons are gone (``N`` = every
+routed neuron in the scope). With ``align > 1`` the last unit may not fit; the next that fits is taken,
+so the removed count can fall short of the target by less than ``align`` per expert; reports give the
+achieved fraction.
+
+**Exempt experts.** Protected (super) experts keep every neuron; their neurons still count in ``N``,
+so the others carry the budget. Experts that received no calibration token have no evidence either
+way; ``unseen`` decides: ``typical`` (default) prunes them at exactly the requested ratio (width
+rounded like ``uniform``), ordered by weight magnitude, outside the ranking; ``keep`` leaves them
+whole; ``prune`` removes them first (the original HEAPr code's score of -1).
+
+**Layouts.** ``ragged``: per-expert widths in the :class:`~moecompress.layouts.Ragged` layout (no
+padding on disk; loads through the moecompress quantizer). ``uniform``: every non-protected expert of
+every layer keeps its top ``uniform_width`` neurons, so the layer stays dense with a smaller width (a
+stock checkpoint with a smaller ``moe_intermediate_size`` where the architecture allows it); a layer
+with protected experts becomes ragged (protected experts keep full width).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from moecompress.errors import PassError
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.layouts import Dense, Ragged
+from moecompress.registry import LayerStats, PassConfig
+
+
+class NeuronPruneOptions(PassConfig):
+    """Options shared by the neuron-pruning passes."""
+
+    ratio: float = Field(
+        0.25, ge=0, lt=1, description="fraction of routed-expert neurons (= parameters) removed"
+    )
+    layout: Literal["ragged", "uniform"] = Field(
+        "ragged", description="per-expert widths, or one width everywhere"
+    )
+    align: int = Field(1, ge=1, description="kept widths are multiples of this (or the full width)")
+    min_width: int = Field(0, ge=0, description="every pruned expert keeps at least this many neurons")
+    unseen: Literal["typical", "keep", "prune"] = Field(
+        "typical", description="experts without calibration tokens: prune at the ratio, keep, or prune first"
+    )
+
+
+def check_prunable(layer: MoELayer, cfg: NeuronPruneOptions) -> None:
+    """Dry-run checks on shapes (``meta`` tensors allowed)."""
+    bank = layer.experts
+    if any(isinstance(lay, Ragged) for lay in (bank.gate, bank.up, bank.down)) or (
+        bank.widths is not None
+        and bank.widths.device.type != "meta"
+        and bool((bank.widths < bank.width).any())
+    ):
+        raise PassError("the experts are already neuron-pruned; prune once, with the combined ratio")
+    if not all(isinstance(lay, Dense) for lay in (bank.gate, bank.up, bank.down)):
+        raise PassError(f"neuron pruning needs dense experts, got layout {bank.gate.kind!r}; prune before it")
+    if cfg.min_width > bank.width:
+        raise PassError(f"min_width={cfg.min_width} exceeds the expert width {bank.width}; lower it")
+
+
+def uniform_width(width: int, cfg: NeuronPruneOptions) -> int:
+    """The width every expert keeps under ``layout: uniform`` (and unseen experts under ``typical``)."""
+    floor = _min_allowed(width, cfg)
+    w = math.floor(width * (1 - cfg.ratio) / cfg.align + 0.5) * cfg.align  # nearest; ties keep more
+    return width if w >= width else max(floor, w)
+
+
+def _min_allowed(width: int, cfg: NeuronPruneOptions) -> int:
+    return min(width, math.ceil(cfg.min_width / cfg.align) * cfg.align)
+
+
+@dataclass
+class Scope:
+    """Experts competing for one budget: per layer, scores ``[E, I]`` and which experts are exempt."""
+
+    scores: dict[int, torch.Tensor]
+    fixed: dict[int, dict[int, int]]  # layer -> {expert: width decided outside the ranking}
+
+
+def exempt_widths(
+    scores: torch.Tensor, counts: torch.Tensor, protected: Iterable[int], cfg: NeuronPruneOptions
+) -> tuple[dict[int, int], list[int]]:
+    """Widths of the experts outside the ranking (protected; unseen unless ``unseen: prune``) and the
+    list of unseen experts. ``scores`` ``[E, I]`` is modified in place for ``unseen: prune``."""
+    width = scores.shape[1]
+    fixed = {int(e): width for e in protected}
+    unseen = [e for e in range(scores.shape[0]) if float(counts[e]) == 0 and e not in fixed]
+    for e in unseen:
+        if cfg.unseen == "keep":
+            fixed[e] = width
+        elif cfg.unseen == "typical":
+            fixed[e] = uniform_width(width, cfg)
+        else:
+            scores[e] = -1.0
+    return fixed, unseen
+
+
+def select_widths(scope: Scope, cfg: NeuronPruneOptions) -> dict[int, torch.Tensor]:
+    """Kept width per expert ``{layer: widths [E]}`` for the whole scope; see the module docstring."""
+    total = sum(s.numel() for s in scope.scores.values())
+    target = round(cfg.ratio * total)
+    widths = {i: torch.full((s.shape[0],), s.shape[1], dtype=torch.int64) for i, s in scope.scores.items()}
+    for i, fixed in scope.fixed.items():
+        for e, w in fixed.items():
+            widths[i][e] = w
+    target -= sum(int(s.shape[1] - widths[i][e]) for i, s in scope.scores.items() for e in scope.fixed[i])
+    cost, size, owner, depth = [], [], [], []
+    keys: list[tuple[int, int]] = []
+    for i, s in scope.scores.items():
+        allowed = torch.tensor(_allowed(s.shape[1], cfg))
+        rows = [e for e in range(s.shape[0]) if e not in scope.fixed[i]]
+        if not rows or len(allowed) < 2:
+            continue
+        srt = s[rows].double().sort(dim=1, descending=True).values
+        cs = torch.cat([srt.new_zeros(len(rows), 1), srt.cumsum(1)], dim=1)
+        sums = (cs[:, allowed[1:]] - cs[:, allowed[:-1]]).flip(1)  # units from the tail
+        cost.append(sums.cummax(1).values.flatten())  # non-decreasing from each tail
+        size.append(allowed.diff().flip(0).repeat(len(rows)))
+        owner.append(torch.arange(len(keys), len(keys) + len(rows)).repeat_interleave(sums.shape[1]))
+        keys += [(i, e) for e in rows]
+        depth.append(torch.arange(sums.shape[1]).repeat(len(rows)))
+    capacity = int(torch.cat(size).sum()) if size else 0
+    if target > capacity:
+        raise PassError(
+            f"ratio={cfg.ratio} needs {target} more neurons removed but only {capacity} are removable "
+            "(protected experts, min_width and unseen experts are exempt); lower the ratio"
+        )
+    if target <= 0 or not cost:
+        return widths
+    c, z, o = torch.cat(cost), torch.cat(size), torch.cat(owner)
+    d = torch.cat(depth)
+    order = torch.arange(len(c))
+    for key in (d, o, c):  # lexicographic (cost, expert, depth from the tail) by stable sorts
+        order = order[key[order].sort(stable=True).indices]
+    removed = torch.zeros(len(keys), dtype=torch.int64)
+    csum = z[order].cumsum(0)
+    k = int(torch.searchsorted(csum, torch.tensor(target), right=True))
+    removed.index_add_(0, o[order[:k]], z[order[:k]])
+    left = target - (int(csum[k - 1]) if k else 0)
+    closed: set[int] = set()
+    for u in order[k:].tolist():  # only when align leaves a remainder
+        if left <= 0:
+            break
+        who = int(o[u])
+        if who in closed:
+            continue
+        if int(z[u]) <= left:
+            removed[who] += z[u]
+            left -= int(z[u])
+        else:
+            closed.add(who)
+    for n, (i, e) in enumerate(keys):
+        widths[i][e] -= removed[n]
+    return widths
+
+
+def _allowed(width: int, cfg: NeuronPruneOptions) -> list[int]:
+    lo = _min_allowed(width, cfg)
+    return sorted({*range(lo, width + 1, cfg.align), width})
+
+
+def protected_physical(layer: MoELayer) -> set[int]:
+    return {layer.physical(e) for e in layer.protected}
+
+
+def neuron_norms(bank: ExpertBank) -> torch.Tensor:
+    """``[E, I]``: L2 norm of each neuron's 3·H weights (gate row, up row, down column)."""
+    g, u, d = (lay.dense().float() for lay in (bank.gate, bank.up, bank.down))
+    return (g.pow(2).sum(-1) + u.pow(2).sum(-1) + d.pow(2).sum(1)).sqrt()
+
+
+def prune_layer(layer: MoELayer, key: torch.Tensor, widths: torch.Tensor, uniform: bool) -> MoELayer:
+    """Keep, in each expert ``e``, the ``widths[e]`` neurons with the highest ``key[e]`` (in their
+    original order). Dense result when ``uniform`` and every expert keeps the same width, else ragged;
+    ``layer`` itself when nothing is removed."""
+    bank = layer.experts
+    if bool((widths == bank.width).all()):
+        return layer
+    keep = [key[e].double().sort(descending=True, stable=True).indices[: int(widths[e])].sort().values
+            for e in range(bank.num_experts)]  # fmt: skip
+    gate, up, down = (lay.dense() for lay in (bank.gate, bank.up, bank.down))
+    same = uniform and bool((widths == widths[0]).all())
+    if same:
+        lays = [
+            Dense(torch.stack([gate[e][k] for e, k in enumerate(keep)])),
+            Dense(torch.stack([up[e][k] for e, k in enumerate(keep)])),
+            Dense(torch.stack([down[e][:, k] for e, k in enumerate(keep)])),
+        ]
+    else:
+        lays = [Ragged.from_dense(gate, keep, "out"), Ragged.from_dense(up, keep, "out"),
+                Ragged.from_dense(down, keep, "in")]  # fmt: skip
+    biases = {}
+    for name, b in bank.biases.items():
+        if name == "down":
+            biases[name] = b
+            continue
+        new = b.new_zeros(b.shape[0], int(widths[0]) if same else b.shape[1])
+        for e, k in enumerate(keep):
+            new[e, : len(k)] = b[e, k]
+        biases[name] = new
+    pruned = ExpertBank(*lays, biases=biases, act=bank.act, alpha=bank.alpha, limit=bank.limit)
+    return layer.replace(experts=pruned)
+
+
+def physical_counts(layer: MoELayer, counts: torch.Tensor) -> torch.Tensor:
+    """Routed-token counts per physical expert (``expert_counts`` is per router id)."""
+    if layer.expert_map is None:
+        return counts
+    out = torch.zeros(layer.experts.num_experts, dtype=counts.dtype)
+    return out.index_add_(0, layer.expert_map.to(torch.int64), counts)
+
+
+def prune(layer: MoELayer, scores: torch.Tensor, stats: LayerStats, cfg, widths: torch.Tensor | None = None):
+    """The common per-layer body of the neuron-pruning passes: ``scores`` ``[E, I]`` per physical
+    neuron; ``widths`` from a cross-layer plan, else chosen here (``scope: layer`` / ``uniform``)."""
+    bank = layer.experts
+    check_prunable(layer, cfg)
+    if tuple(scores.shape) != (bank.num_experts, bank.width):
+        raise PassError(
+            f"statistics describe {tuple(scores.shape)} experts x neurons but the layer has "
+            f"{(bank.num_experts, bank.width)}; run this step before steps that change the experts"
+        )
+    counts = physical_counts(layer, stats["expert_counts"])
+    protected = protected_physical(layer)
+    local = scores.double().clone()
+    fixed, unseen = exempt_widths(local, counts, protected, cfg)
+    if cfg.layout == "uniform":
+        widths = torch.full((bank.num_experts,), uniform_width(bank.width, cfg), dtype=torch.int64)
+        for e, w in fixed.items():  # protected and `unseen: keep` experts stay whole
+            widths[e] = w
+    elif widths is None:
+        widths = select_widths(Scope({layer.index: local}, {layer.index: fixed}), cfg)[layer.index]
+    widths = widths.clone()
+    for e in protected:  # authoritative even if a plan did not know about the protection
+        widths[e] = bank.width
+    key = scores.double().clone()
+    if unseen:
+        key[unseen] = neuron_norms(bank)[unseen].double()
+    info = layer_info(layer, widths, unseen, bank.width)
+    return prune_layer(layer, key, widths, cfg.layout == "uniform"), info
+
+
+def layer_info(layer: MoELayer, widths: torch.Tensor, unseen: list[int], width: int) -> dict:
+    """Per-layer report entry shared by the pruning passes."""
+    h = layer.hidden_size
+    removed = int(widths.numel() * width - widths.sum())
+    return {
+        "widths": [int(w) for w in widths],
+        "neurons_total": int(widths.numel() * width),
+        "neurons_removed": removed,
+        "routed_params_removed": removed * 3 * h,
+        "fraction_removed": removed / max(widths.numel() * width, 1),
+        "unseen_experts": unseen,
+        "protected": sorted(layer.protected),
+        "empty_experts": [e for e, w in enumerate(widths.tolist()) if w == 0],
+    }
+
+
+def summarize_pruning(infos: dict[int, dict], cfg: NeuronPruneOptions) -> dict:
+    """Step summary: target vs achieved fraction, the width histogram, warnings, a heatmap."""
+    layers = sorted(infos)
+    total = sum(infos[i]["neurons_total"] for i in layers)
+    removed = sum(infos[i]["neurons_removed"] for i in layers)
+    widths = [w for i in layers for w in infos[i]["widths"]]
+    hist: dict[str, int] = {}
+    for w in widths:
+        hist[str(w)] = hist.get(str(w), 0) + 1
+    unseen = {str(i): infos[i]["unseen_experts"] for i in layers if infos[i]["unseen_experts"]}
+    empty = {str(i): infos[i]["empty_experts"] for i in layers if infos[i]["empty_experts"]}
+    warnings = []
+    if unseen:
+        warnings.append(f"experts with no calibration tokens (unseen: {cfg.unseen}): {unseen}")
+    if empty:
+        warnings.append(f"experts pruned to width 0 (they still receive tokens and return 0): {empty}")
+    return {
+        "summary": {
+            "ratio": cfg.ratio,
+            "routed_fraction_removed": removed / max(total, 1),
+            "neurons_removed": removed,
+            "neurons_total": total,
+            "routed_params_removed": sum(infos[i]["routed_params_removed"] for i in layers),
+            "layout": cfg.layout,
+            "width_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "unseen_experts": unseen,
+        },
+        "warnings": warnings,
+        "plots": [
+            {"file": "kept_widths.png", "kind": "heatmap", "title": "kept width per expert",
+             "data": [infos[i]["widths"] for i in layers], "xlabel": "expert", "ylabel": "MoE layer (order)"},
+        ] if layers else [],
+    }  # fmt: skip
