@@ -2,6 +2,7 @@
 
     python benchmarks/ragged_forward.py                     # Qwen3-30B-A3B layer shapes, 512 tokens
     python benchmarks/ragged_forward.py --tokens 2048 --ratios 0.25 0.5 --dtype bfloat16
+    python benchmarks/ragged_forward.py --device cuda        # the same reference code on a GPU
 
 One MoE layer with Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of width 768, top-8; random
 weights and router) runs through the reference forward (:func:`moecompress.reference.moe_forward`, the
@@ -49,12 +50,15 @@ def ragged_widths(e: int, width: int, ratio: float, gen: torch.Generator) -> tor
 
 
 def timed(layer: MoELayer, x: torch.Tensor, repeats: int) -> float:
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     with torch.no_grad():
         moe_forward(layer, x)
         times = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             moe_forward(layer, x)
+            sync()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -69,29 +73,35 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     e, i, h = args.experts, args.width, args.hidden
     scale = h**-0.5
-    gate, up = (torch.randn(e, i, h, generator=gen).mul_(scale).to(dtype) for _ in range(2))
-    down = torch.randn(e, h, i, generator=gen).mul_(i**-0.5).to(dtype)
-    router = torch.randn(e, h, generator=gen).mul_(scale).to(dtype)
-    x = torch.randn(args.tokens, h, generator=gen).to(dtype)
+    dev = torch.device(args.device)
+    gate, up = (torch.randn(e, i, h, generator=gen).mul_(scale).to(dev, dtype) for _ in range(2))
+    down = torch.randn(e, h, i, generator=gen).mul_(i**-0.5).to(dev, dtype)
+    router = torch.randn(e, h, generator=gen).mul_(scale).to(dev, dtype)
+    x = torch.randn(args.tokens, h, generator=gen).to(dev, dtype)
     dense = ExpertBank(Dense(gate), Dense(up), Dense(down))
     rows = [("dense", 0.0, dense)]
     for r in args.ratios:
         w = ragged_widths(e, i, r, gen)
-        keep = [torch.arange(int(n)) for n in w]
+        keep = [torch.arange(int(n), device=dev) for n in w]
         ragged = ExpertBank(
-            Ragged.from_dense(gate, keep, "out"), Ragged.from_dense(up, keep, "out"), Ragged.from_dense(down, keep, "in")
+            Ragged.from_dense(gate, keep, "out"),
+            Ragged.from_dense(up, keep, "out"),
+            Ragged.from_dense(down, keep, "in"),
         )
         k = round((1 - r) * i)
-        uniform = ExpertBank(Dense(gate[:, :k].clone()), Dense(up[:, :k].clone()), Dense(down[:, :, :k].clone()))
+        uniform = ExpertBank(
+            Dense(gate[:, :k].clone()), Dense(up[:, :k].clone()), Dense(down[:, :, :k].clone())
+        )
         rows += [(f"ragged {r:g}", r, ragged), (f"uniform {r:g}", r, uniform)]
     print(
         f"\nMoE layer: hidden {h}, {e} experts x {i}, top-{args.top_k}, {args.tokens} tokens, {args.dtype}, "
-        f"{torch.get_num_threads()} threads; median of {args.repeats} runs\n"
+        f"{args.device} ({torch.get_num_threads()} CPU threads); median of {args.repeats} runs\n"
     )
     print("| variant | neurons removed | stored expert bytes | forward ms | time vs dense |")
     print("|---|---:|---:|---:|---:|")

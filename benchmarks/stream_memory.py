@@ -424,7 +424,9 @@ def main() -> None:
     )
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
     ap.add_argument("--phases", action="store_true", help="also profile the executor's phases per depth")
-    ap.add_argument("--heapr", action="store_true", help="also run analyze + heapr (ratio 0.5, ragged output)")
+    ap.add_argument(
+        "--heapr", action="store_true", help="also run analyze + heapr (ratio 0.5, ragged output)"
+    )
     ap.add_argument(
         "--malloc-mmap-threshold",
         type=int,

@@ -10,7 +10,8 @@ ablating each expert of that layer does to perplexity.
    a massive activation. Profiles again: the profiler must report exactly that expert.
 3. Ablates (``ablate_experts``) each expert of that layer in turn, in the planted model and in the
    original, and evaluates perplexity on the held-out split of the corpus (``moecompress eval``).
-4. Compresses the planted model with ``heapr`` (ratio 0.5) and ``expert_prune`` (ratio 0.5, reap),
+4. Compresses the planted model with ``heapr`` (ratio 0.5) and ``expert_prune`` (ratio 0.5, reap and
+   frequency),
    with and without ``protect_super_experts`` first: is the planted expert kept bit-identical, what is
    left of the top massive activation of its layer (step report), and perplexity.
    ``--compress-only`` runs only this part.
@@ -55,18 +56,20 @@ def ablation_ppl(
 
 
 COMPRESS = [("heapr 50%", {"heapr": {"ratio": 0.5}}),
-            ("expert_prune 50% (reap)", {"expert_prune": {"ratio": 0.5, "method": "reap"}})]  # fmt: skip
+            ("expert_prune 50% (reap)", {"expert_prune": {"ratio": 0.5, "method": "reap"}}),
+            ("expert_prune 50% (frequency)", {"expert_prune": {"ratio": 0.5, "method": "frequency"}})]  # fmt: skip
 
 
 def compression_on_planted(planted: Path, work: Path, cal: dict, texts: list[str], tokens: int) -> None:
     """Issue acceptance: heapr and expert_prune at 50% with and without protection of the planted expert."""
     orig = mc.open_checkpoint(planted).read_layer(LAYER).experts
-    print(f"\n## Compressing the planted model (layer {LAYER}, expert {EXPERT})\n")
+    ppl0 = mc.evaluate(planted, texts=texts, max_tokens=tokens)["perplexity"]
+    print(f"\n## Compressing the planted model (layer {LAYER}, expert {EXPERT}; perplexity {ppl0:.2f})\n")
     print("| step | protected | planted expert after | bit-identical | massive ratio (layer) | perplexity |")
     print("|---|---|---|---|---:|---:|")
     for label, step in COMPRESS:
         for protect in (True, False):
-            out = work / f"compress-{next(iter(step))}-{protect}"
+            out = work / f"compress-{label.split()[0]}-{label[-8:-1]}-{protect}"
             steps = [{"protect_super_experts": {}}] if protect else []
             mc.apply({"model": str(planted), "output": str(out), "calibration": cal, "steps": [*steps, step]},
                      progress=False)  # fmt: skip

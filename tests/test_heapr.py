@@ -45,7 +45,10 @@ IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
 def test_ratio_zero_is_lossless(tmp_path, step):
     save_tiny("qwen3_moe", tmp_path / "m")
     _run(tmp_path / "m", tmp_path / "out", step)
-    before, after = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    before, after = (
+        load_file(tmp_path / "m" / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -67,11 +70,15 @@ def test_removing_zero_down_columns_is_lossless_and_loads(tmp_path, scope):
     rep = _run(tmp_path / "m", tmp_path / "out", {"heapr": {"ratio": 0.25, "scope": scope}})
     assert rep["summary"]["routed_fraction_removed"] == 0.25
     assert all(w == 24 for row in rep["layers"] for w in row["info"]["widths"])
-    torch.testing.assert_close(_logits(tmp_path / "out", IDS), _logits(tmp_path / "m", IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logits(tmp_path / "out", IDS), _logits(tmp_path / "m", IDS), rtol=1e-5, atol=1e-5
+    )
     # the kept neurons are exactly the live ones
     orig, out = mc.open_checkpoint(tmp_path / "m"), mc.open_checkpoint(tmp_path / "out")
     kept = out.read_layer(1).experts.gate.dense()
-    assert torch.equal(kept[:, :24], orig.read_layer(1).experts.gate.dense()[:, :24]) and not kept[:, 24:].any()
+    assert (
+        torch.equal(kept[:, :24], orig.read_layer(1).experts.gate.dense()[:, :24]) and not kept[:, 24:].any()
+    )
 
 
 def test_ragged_layout_is_compact_on_disk_loads_and_equals_zeroed_neurons(tmp_path):
@@ -96,7 +103,9 @@ def test_ragged_layout_is_compact_on_disk_loads_and_equals_zeroed_neurons(tmp_pa
             down = t[f"model.layers.{i}.mlp.experts.down_proj"]  # gpt-oss: [E, I, H]
             down[e, ~hit] = 0
     save_file(t, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
-    torch.testing.assert_close(_logits(tmp_path / "out", IDS), _logits(tmp_path / "m", IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logits(tmp_path / "out", IDS), _logits(tmp_path / "m", IDS), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_factorised_score_equals_the_gradient_outer_product_form(tmp_path):
@@ -191,7 +200,10 @@ def test_protection_unseen_experts_and_uniform_stock_config(tmp_path):
     rep = _run(tmp_path / "x", tmp_path / "u", {"heapr": {"ratio": 0.25, "layout": "uniform", "align": 16}})
     cfg = json.loads((tmp_path / "u" / "config.json").read_text())
     assert cfg["intermediate_size"] == 64 and "quantization_config" not in cfg  # 60 rounded to align 16
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "u").model.layers[0].mlp.experts.down_proj.shape[-1] == 64
+    assert (
+        AutoModelForCausalLM.from_pretrained(tmp_path / "u").model.layers[0].mlp.experts.down_proj.shape[-1]
+        == 64
+    )
     assert rep["summary"]["width_histogram"] == {"64": 24}
 
 
@@ -224,7 +236,9 @@ def test_wanda_score_matches_a_direct_computation(tmp_path):
 def test_errors_name_the_step_and_the_fix(tmp_path):
     save_tiny("qwen3_moe", tmp_path / "m")
     rec = {"model": str(tmp_path / "m"), "output": str(tmp_path / "o"), "calibration": CAL}
-    with pytest.raises(PassError, match=r"step 1 \(heapr\), layer 0: min_width=99 exceeds the expert width 32"):
+    with pytest.raises(
+        PassError, match=r"step 1 \(heapr\), layer 0: min_width=99 exceeds the expert width 32"
+    ):
         mc.apply({**rec, "steps": [{"heapr": {"min_width": 99}}]}, dry_run=True)
     _run(tmp_path / "m", tmp_path / "p", {"heapr": {"ratio": 0.25}})
     with pytest.raises(PassError, match="already neuron-pruned"):

@@ -1,0 +1,152 @@
+"""Pruning quality on the reference models: perplexity, KL and top-1 agreement against the base model
+for each pruning method at each parameter budget.
+
+    python benchmarks/pruning_quality.py [--shared ../shared] [--models ref-qwen3moe ref-mixtral ref-deepseekv3]
+        [--ratios 0.25 0.5] [--methods heapr-global heapr-layer expert-frequency expert-reap expert-random
+        neuron-magnitude neuron-wanda] [--samples 64] [--cal-source SRC] [--seq-len 256] [--batch-size 8]
+        [--eval-tokens 16384] [--work DIR] [--json PATH]
+
+For each model, ratio and method (``METHODS``: one recipe step, the ratio filled in) ``mc.apply`` runs
+the step and ``mc.evaluate`` compares the result with the base model on the held-out split (last 2 %)
+of every corpus file, as in RESULTS.md's reference evaluation. Every run of a model shares one
+calibration config (the corpus files' training split) and one ``cache_dir`` under ``--work``, so
+statistics are computed once per model and statistics set. Methods whose pass is not registered
+(``moecompress.registry.available_passes()``) are skipped with a note; output checkpoints are deleted
+after evaluation. "Removed" fractions come from the step report: routed-expert parameters from the
+pass's ``summary.routed_fraction_removed``, whole-model from ``model_params_before/after``. "wall s" is the whole ``mc.apply`` (calibration
+included unless cached; "cal s" is that part), evaluation excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from transformers.utils import logging as hf_logging
+
+import moecompress as mc
+from moecompress.registry import available_passes
+
+MODELS = ["ref-qwen3moe", "ref-mixtral", "ref-deepseekv3"]
+METHODS = {
+    "heapr-global": lambda r: {"heapr": {"ratio": r, "scope": "global"}},
+    "heapr-layer": lambda r: {"heapr": {"ratio": r, "scope": "layer"}},
+    "expert-frequency": lambda r: {"expert_prune": {"ratio": r, "method": "frequency"}},
+    "expert-reap": lambda r: {"expert_prune": {"ratio": r, "method": "reap"}},
+    "expert-random": lambda r: {"expert_prune": {"ratio": r, "method": "random"}},
+    "neuron-magnitude": lambda r: {"neuron_prune": {"ratio": r, "method": "magnitude"}},
+    "neuron-wanda": lambda r: {"neuron_prune": {"ratio": r, "method": "wanda"}},
+}
+
+
+def removed(step: dict) -> tuple[float, float]:
+    """(routed-expert fraction removed, from the pass's summary; whole-model fraction removed, from the
+    step report's ``model_params_before/after``)."""
+    whole = 1 - step["model_params_after"] / step["model_params_before"]
+    return float(step["summary"]["routed_fraction_removed"]), whole
+
+
+def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> dict:
+    t0 = time.perf_counter()
+    try:
+        res = mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": [step]},
+                       progress=False)  # fmt: skip
+        wall = time.perf_counter() - t0
+        (path,) = (out / "steps").glob("01-*/report.json")
+        report = json.loads(path.read_text())
+        e = mc.evaluate(out, against=base, **ev)
+    finally:
+        for d in (out, out.with_name(f".{out.name}.partial")):
+            shutil.rmtree(d, ignore_errors=True)
+    routed, whole = removed(report)
+    c = res.report.get("calibration") or {}
+    return {
+        "perplexity": e["perplexity"], "base_perplexity": e["base_perplexity"], "kl": e["kl"],
+        "top1_agreement": e["top1_agreement"], "routed_fraction_removed": routed,
+        "whole_model_fraction_removed": whole, "wall_s": wall,
+        "calibration_s": c.get("seconds"), "calibration_cached": c.get("cached"),
+        "backward": c.get("backward"), "summary": report.get("summary"), "warnings": report.get("warnings"),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument(
+        "--cal-source", default=None, help="calibration source (default: the corpus files' training split); "
+        "e.g. builtin, to calibrate on text unlike the evaluation text"
+    )  # fmt: skip
+    ap.add_argument("--seq-len", type=int, default=256, help="calibration and evaluation window")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
+    ap.add_argument("--json", help="also write all rows to this JSON file")
+    args = ap.parse_args()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of every mc.load / evaluate
+    data = Path(args.shared) / "data"
+    corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pq-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ev = {"texts": corpus, "max_tokens": args.eval_tokens, "seq_len": args.seq_len}
+    have = set(available_passes())
+    methods = []
+    for label in args.methods:
+        name = next(iter(METHODS[label](0.5)))
+        if name in have:
+            methods.append(label)
+        else:
+            print(f"note: skipping {label}: pass {name!r} is not registered")
+    rows, base_ppl = [], {}
+    for name in args.models:
+        model = data / "models" / name
+        cal = {"source": args.cal_source or "file:" + ",".join(corpus), "samples": args.samples, "seq_len": args.seq_len,
+               "batch_size": args.batch_size, "cache_dir": str(work / "cache")}  # fmt: skip
+        t0 = time.perf_counter()
+        base_ppl[name] = mc.evaluate(model, **ev)["perplexity"]
+        print(f"{name}: base perplexity {base_ppl[name]:.2f} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        base = mc.load(model)  # `against` of every evaluation, loaded once
+        for r in args.ratios:
+            for label in methods:
+                step = METHODS[label](r)
+                try:
+                    row = run_one(model, work / f"{name}-{label}-{r:g}", cal, step, ev, base)
+                except Exception as err:  # a pass under development must not stop the grid
+                    print(f"note: {name} {label} ratio {r:g} failed: {type(err).__name__}: {err}", flush=True)
+                    row = {"error": str(err)}
+                rows.append({"model": name, "ratio": r, "method": label, "step": step, **row})
+                if "error" not in row:
+                    print(f"  {label} {r:g}: ppl {row['perplexity']:.2f}, {row['wall_s']:.1f} s", flush=True)
+    print("\n| model | base perplexity |\n|---|---:|")
+    for name, p in base_ppl.items():
+        print(f"| {name} | {p:.2f} |")
+    print(
+        "\n| model | ratio | method | perplexity | KL to base | top-1 agreement | routed-expert params removed"
+        " | whole-model params removed | wall s | cal s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for x in sorted(rows, key=lambda x: (args.models.index(x["model"]), x["ratio"])):
+        if "error" in x:
+            print(f"| {x['model']} | {x['ratio']:g} | {x['method']} | error: {x['error'][:80]} |" + " |" * 6)
+            continue
+        cal_s = "cached" if x["calibration_cached"] else f"{x['calibration_s'] or 0:.1f}"
+        print(
+            f"| {x['model']} | {x['ratio']:g} | {x['method']} | {x['perplexity']:.2f} | {x['kl']:.4f} | "
+            f"{x['top1_agreement']:.3f} | {x['routed_fraction_removed']:.1%} | "
+            f"{x['whole_model_fraction_removed']:.1%} | {x['wall_s']:.1f} | {cal_s} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base_perplexity": base_ppl, "args": vars(args), "rows": rows},
+                                              indent=2))  # fmt: skip
+    if not args.work:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
