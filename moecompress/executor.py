@@ -74,7 +74,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         if backward_needed(needs):
             raise RecipeError(
                 "calibration.propagate: 'compressed' cannot be combined with gradient statistics "
-                f"(needed by {[s.label for s in recipe.steps if backward_needed(s.spec.needs)]}); use 'original'"
+                f"(needed by {[s.label for s in recipe.steps if backward_needed(s.needs)]}); use 'original'"
             )
         planned = [s.label for s in recipe.steps if s.spec.plan is not None]
         if planned:
@@ -188,7 +188,7 @@ def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path) -> dict[int, dict[i
         if step.spec.plan is None:
             continue
         all_stats = {
-            i: LayerStats(i, load_layer(entry, i, step.spec.needs), protected=frozenset(protected[i]))
+            i: LayerStats(i, load_layer(entry, i, step.needs), protected=frozenset(protected[i]))
             for i in ckpt.moe_layer_indices
         }
         plans[step.number] = step.spec.plan(all_stats, step.config)

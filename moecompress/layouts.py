@@ -74,6 +74,23 @@ class Layout(ABC):
         w = self.expert(e)[:rows, :cols]
         return F.linear(x.to(w.dtype), w)
 
+    # -- factorised forward: a shared input transform once per token, per-expert work in a "middle"
+    # space, the shared output transform once per accumulated token (Tucker). Defaults: identity.
+    def encode(self, x: torch.Tensor) -> Any:
+        """Work shared by every expert on the inputs ``x`` ``[T, in]`` (done once per token)."""
+        return x
+
+    def partial(
+        self, ctx: Any, e: int, tok: torch.Tensor, *, rows: int | None = None, cols: int | None = None
+    ) -> tuple[str, torch.Tensor]:
+        """Expert ``e`` on tokens ``tok`` of ``encode``'s result: ``(space, value [n, mid])``; values
+        of one space may be summed (weighted) before :meth:`decode`."""
+        return "out", self.apply(ctx[tok], e, rows=rows, cols=cols)
+
+    def decode(self, space: str, value: torch.Tensor) -> torch.Tensor:
+        """Values of ``space`` ``[n, mid]`` to the output space ``[n, out]``."""
+        return value
+
     def cast(self, dtype: torch.dtype) -> Layout:
         """This layout with its floating-point storage in ``dtype`` (compute dtype of calibration and
         evaluation); layouts whose storage is not a plain float tensor return themselves."""

@@ -84,6 +84,11 @@ class Step:
     def dirname(self) -> str:
         return f"{self.number:02d}-{self.name}"
 
+    @property
+    def needs(self) -> frozenset[str]:
+        """Statistics this step needs with its configuration."""
+        return self.spec.needs_for(self.config)
+
 
 class _RecipeModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -135,7 +140,7 @@ class Recipe:
 
     @property
     def needs(self) -> frozenset[str]:
-        return frozenset().union(*(s.spec.needs for s in self.steps))
+        return frozenset().union(*(s.needs for s in self.steps))
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -161,14 +161,40 @@ def experts_forward(
 ) -> torch.Tensor:
     """Weighted sum of the routed experts, fp32 ``[T, H]``: ``sum_k weights[t, k] * E_{ids[t, k]}(x_t)``.
 
-    ``ids`` are logical expert ids; ``expert_map`` maps them to physical experts of ``bank``."""
+    ``ids`` are logical expert ids; ``expert_map`` maps them to physical experts of ``bank``. Written with
+    the layouts' ``encode``/``partial``/``decode`` so factorised layouts do their shared work once per
+    token: the gate/up input transform before the loop, the down output transform after the weighted
+    sum (``decode`` is linear)."""
     phys = ids if expert_map is None else expert_map.to(ids.device)[ids]
+    ctx_g, ctx_u = bank.gate.encode(x), bank.up.encode(x)
+    acc: dict[str, torch.Tensor] = {}
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in torch.unique(phys).tolist():
         tok, slot = torch.where(phys == p)
-        seen: list[torch.Tensor] = []
-        y = expert_forward(bank, p, x[tok], None if observer is None else seen.append)
+        live = bank.width_of(p)
+        cut = live if live < bank.width else None  # pruned neurons take no part in the forward
+        g = bank.gate.decode(*bank.gate.partial(ctx_g, p, tok, rows=cut))
+        u = bank.up.decode(*bank.up.partial(ctx_u, p, tok, rows=cut))
+        if "gate" in bank.biases:
+            g = g + bank.biases["gate"][p][:live]
+        if "up" in bank.biases:
+            u = u + bank.biases["up"][p][:live]
+        h = _act(bank, g, u)
+        space, mid = bank.down.partial(bank.down.encode(h), p, torch.arange(len(tok), device=x.device), cols=cut)
+        w = weights[tok, slot, None].float()
+        bias = bank.biases.get("down")
+        if bias is not None and space == "out":  # already in the output space: add it as transformers does
+            mid = mid + bias[p]
+        elif bias is not None:
+            out.index_add_(0, tok, bias[p].float().expand(len(tok), -1) * w)
+        if space not in acc:
+            acc[space] = torch.zeros(x.shape[0], mid.shape[1], dtype=torch.float32, device=x.device)
+        acc[space].index_add_(0, tok, mid.float() * w)
         if observer is not None:
-            observer.on_expert(p, tok, slot, seen[0], y)
-        out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
+            y = bank.down.decode(space, mid)
+            y = y + bias[p] if bias is not None and space != "out" else y
+            full = h if cut is None else torch.cat([h, h.new_zeros(h.shape[0], bank.width - live)], dim=1)
+            observer.on_expert(p, tok, slot, full, y)
+    for space, value in acc.items():
+        out += bank.down.decode(space, value).float()
     return out

@@ -11,6 +11,8 @@ A pass is a pure function ``(layer, stats, cfg) -> (layer, info)``::
 
 - ``needs``: names from :data:`moecompress.calibration.stats.CATALOGUE`; the executor collects exactly
   these (forward, or the streamed backward for gradient statistics) and hands them over per layer.
+  ``needs_fn(cfg)`` (optional) narrows them to what a configuration uses (e.g. no backward sweep for
+  input-only whitening); ``needs`` is then the union over every configuration.
 - ``plan(all_stats: dict[int, LayerStats], cfg) -> dict[int, Any]``: decisions across layers (global
   rankings, budgets); the result for layer ``i`` arrives as ``stats.plan``.
 - ``check(layer, cfg) -> None``: runs in the dry run on a layer of ``meta`` tensors (shapes only) and
@@ -87,6 +89,11 @@ class PassSpec:
     check: Callable[[MoELayer, Any], None] | None = None
     summarize: Callable[[dict[int, dict], Any], dict] | None = None
     protects: Callable[[Any], Iterable[int]] | None = None
+    needs_fn: Callable[[Any], Iterable[str]] | None = None
+
+    def needs_for(self, cfg: Any) -> frozenset[str]:
+        """The statistics a step with configuration ``cfg`` needs."""
+        return self.needs if self.needs_fn is None else frozenset(self.needs_fn(cfg)) & self.needs
 
     @property
     def summary(self) -> str:
@@ -108,6 +115,7 @@ def register_pass(
     check: Callable | None = None,
     summarize: Callable | None = None,
     protects: Callable | None = None,
+    needs_fn: Callable | None = None,
 ) -> Callable[[PassFn], PassFn]:
     """Decorator registering a pass under ``name`` (a recipe step key)."""
 
@@ -130,6 +138,7 @@ def register_pass(
             check=check,
             summarize=summarize,
             protects=protects,
+            needs_fn=needs_fn,
         )
         return fn
 

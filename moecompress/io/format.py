@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+import moecompress.lowrank  # noqa: F401  (registers the 'lowrank' layout kind for loading)
 from moecompress.errors import CheckpointError, LayoutError
 from moecompress.ir import Act, ExpertBank, MoELayer
 from moecompress.layouts import LAYOUTS, Dense
+from moecompress.tucker import Tucker  # noqa: F401  (registers the layout for loading)
 
 FORMAT_VERSION = 1
 PROJ = ("gate", "up", "down")

@@ -1,0 +1,240 @@
+"""``tdmoe``: cross-expert Tucker decomposition of each projection, with data-aware whitening.
+
+Paper: "TD-MoE: Tensor Decomposition for MoE Models" (ICLR 2026); implemented from
+``shared/guide/METHODS.md`` §2. Per MoE layer and projection (gate, up, down), the ``M`` routed experts
+that are not protected are stacked into ``T ∈ ℝ^{M×out×in}``, whitened slice by slice
+(``A·W_e·B``, :mod:`moecompress.whitening`: ``input`` = Cholesky factor of the input covariance,
+minimising the output error, default; ``output`` = gradient covariance of the LM loss; ``both``;
+``none``), decomposed with Tucker (tensorly; ``method: hosvd`` default, ``hooi`` = 50 alternating
+iterations)::
+
+    T_w ≈ G ×₁ U_e ×₂ U_out ×₃ U_in,     then  U_out' = A⁻¹U_out,  U_in' = B⁻ᵀU_in
+
+and stored in the :class:`~moecompress.tucker.Tucker` layout (un-whitened factors: no extra inference
+work). The expert mode is not truncated by default (``r1 = M``, the expert factor folded into
+per-expert cores ``C_m``); ``r1`` truncates it. Ranks ``(r2, r3)`` meet ``ratio`` (fraction of the
+decomposed experts' parameters removed) with the parameter count
+``P = M·r2·r3 + out·r2 + in·r3`` (``r1·r2·r3 + M·r1 + out·r2 + in·r3`` with ``r1 < M``): every ``r2``
+is scanned, ``r3`` solved for, and among the candidates within 0.5% of the target the one with the
+most equal relative ranks (``r2/out ≈ r3/in``) is kept (else the closest). Protected (super) experts
+stay dense, outside the shared factors. Shared experts and routers are untouched.
+
+Input layouts: dense, or ragged where every decomposed expert has the same live width (``heapr`` with
+``layout: uniform`` and protected experts): their live parts are decomposed and the factors padded
+with zeros to the bank's width. Other ragged banks are rejected (prune with ``layout: uniform``).
+
+Statistics: ``input_cov`` and ``down_in_cov_pooled`` (input whitening, forward), ``out_grad_cov`` and
+``down_in_grad_cov_pooled`` (output whitening, the streamed LM-loss backward).
+
+Example steps::
+
+    steps:
+      - tdmoe: {ratio: 0.4}                           # input whitening, HOSVD
+      - tdmoe: {ratio: 0.6, whitening: output, method: hooi}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import tensorly as tl
+import torch
+from pydantic import Field
+from tensorly.decomposition import tucker
+
+from moecompress.errors import PassError
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.layouts import Dense, Ragged
+from moecompress.reference import moe_forward
+from moecompress.registry import LayerStats, PassConfig, register_pass
+from moecompress.tucker import Tucker
+from moecompress.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
+
+PROJ = ("gate", "up", "down")
+
+
+class TdmoeConfig(PassConfig):
+    ratio: float = Field(
+        0.4, gt=0, lt=1, description="fraction of the decomposed experts' parameters removed"
+    )
+    whitening: Literal["input", "output", "both", "none"] = Field("input", description="data-aware whitening")
+    input_form: Literal["chol", "inverse"] = Field("chol", description="input whitening factor")
+    method: Literal["hosvd", "hooi"] = Field("hosvd", description="Tucker algorithm (tensorly)")
+    r1: int | None = Field(None, ge=1, description="expert-mode rank (default: not truncated)")
+
+
+def tucker_ranks(
+    m: int, out: int, inp: int, ratio: float, r1: int | None = None
+) -> tuple[int, int, int, int]:
+    """``(r1, r2, r3, stored params)`` meeting ``ratio`` (see the module docstring)."""
+    full = m * out * inp
+    target = (1 - ratio) * full
+    r1 = m if r1 is None or r1 >= m else r1
+    fold = r1 == m
+    best, close = None, None
+    for r2 in range(1, out + 1):
+        lead = out * r2 + (0 if fold else m * r1)
+        per_r3 = (m if fold else r1) * r2 + inp
+        r3 = max(1, min(inp, int((target - lead) // per_r3)))
+        for r in {r3, min(inp, r3 + 1)}:
+            p = lead + per_r3 * r
+            err = abs(p - target) / full
+            cand = (abs(r2 / out - r / inp), err, r2, r, p)
+            if err <= 0.005 and (best is None or cand < best):
+                best = cand
+            if close is None or (err, cand[0]) < (close[1], close[0]):
+                close = cand
+    _, err, r2, r3, p = best or close  # type: ignore[misc]
+    if err > 0.01:
+        raise PassError(
+            f"ratio={ratio} cannot be met within 1% for {m} experts of {out}x{inp} (closest keeps {p / full:.3f}); "
+            "choose another ratio"
+        )
+    return r1, r2, r3, p
+
+
+def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: str):
+    """Tucker factors of the whitened stack ``w`` ``[M, out, in]``: ``(G, [U_e, U_out, U_in])`` in
+    float64, whitened (un-whiten with ``wh``)."""
+    t = wh.whiten(w).numpy()
+    with tl.backend_context("numpy"):
+        core, factors = tucker(t, rank=[r1, r2, r3], init="svd", n_iter_max=50 if method == "hooi" else 0)
+    return torch.from_numpy(np.ascontiguousarray(core)), [
+        torch.from_numpy(np.ascontiguousarray(f)) for f in factors
+    ]
+
+
+def _members(layer: MoELayer) -> tuple[list[int], list[int], int]:
+    """Decomposed and dense (protected) physical experts, and the decomposed experts' live width."""
+    bank = layer.experts
+    protected = {layer.physical(e) for e in layer.protected}
+    members = [e for e in range(bank.num_experts) if e not in protected]
+    widths = {bank.width_of(e) for e in members}
+    if len(widths) > 1:
+        raise PassError(
+            f"decomposed experts have different widths {sorted(widths)}; tdmoe needs one width (prune with "
+            "heapr layout: uniform)"
+        )
+    return members, sorted(protected), widths.pop() if widths else bank.width
+
+
+def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
+    bank = layer.experts
+    for lay in (bank.gate, bank.up, bank.down):
+        if not isinstance(lay, (Dense, Ragged)):
+            raise PassError(f"tdmoe needs dense experts, got a {lay.kind!r} layout; decompose before it")
+    if cfg.r1 is not None and cfg.r1 > bank.num_experts:
+        raise PassError(f"r1={cfg.r1} exceeds the {bank.num_experts} experts")
+    e, i, h = bank.gate.shape
+    for out, inp in ((i, h), (h, i)):
+        tucker_ranks(e, out, inp, cfg.ratio, cfg.r1)
+
+
+def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, cfg: TdmoeConfig):
+    full = lay.dense()
+    w = full[members][:, :live] if proj != "down" else full[members][:, :, :live]
+    m, out, inp = w.shape
+    r1, r2, r3, _ = tucker_ranks(m, out, inp, cfg.ratio, cfg.r1)
+    core, (u_e, u_out, u_in) = decompose(w, wh, r1, r2, r3, cfg.method)
+    u_out, u_in = wh.unwhiten_out(u_out), wh.unwhiten_in(u_in)
+    pad = lay.shape[1] - out if proj != "down" else lay.shape[2] - inp  # ragged input: back to full width
+    if proj != "down":
+        u_out = torch.cat([u_out, u_out.new_zeros(pad, r2)])
+    else:
+        u_in = torch.cat([u_in, u_in.new_zeros(pad, r3)])
+    fold = r1 == m
+    cores = torch.einsum("mj,jab->mab", u_e, core) if fold else core
+    index = torch.full((lay.shape[0],), -1, dtype=torch.int64)
+    index[members] = torch.arange(m)
+    dt = lay.dtype
+    dense = full[dense_ids].to(dt) if dense_ids else None
+    new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None if fold else u_e.to(dt))
+    recon = torch.stack([new.expert(e) for e in members]).double()[..., :out, :inp]
+    err = float((wh.whiten(recon) - wh.whiten(w)).norm() / wh.whiten(w).norm().clamp_min(1e-30))
+    return new, {"ranks": [r1, r2, r3], "whitened_rel_error": round(err, 6)}
+
+
+@register_pass(
+    "tdmoe", TdmoeConfig, needs=ALL_NEEDS | {"io_sample"}, check=_check,
+    needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"},
+    summarize=lambda infos, cfg: _summarize(infos, cfg),
+)  # fmt: skip
+def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
+    """Decompose each projection of the routed experts with a shared Tucker basis (TD-MoE)."""
+    _check(layer, cfg)
+    bank = layer.experts
+    members, dense_ids, live = _members(layer)
+    if not members:
+        return layer, {"skipped": "every expert is protected"}
+    whiteners = projection_whiteners(_live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
+    lays, info = {}, {}
+    for proj in PROJ:
+        lays[proj], info[proj] = _factorise(
+            getattr(bank, proj), proj, members, dense_ids, live, whiteners[proj], cfg
+        )
+    before = sum(getattr(bank, p).num_params() for p in PROJ)
+    after = sum(lays[p].num_params() for p in PROJ)
+    dense_params = len(dense_ids) * 3 * bank.width * bank.hidden_size
+    info.update(params_before=before, params_after=after, members=len(members), dense_experts=dense_ids,
+                dense_params=dense_params, fraction_removed=(before - after) / max(before - dense_params, 1))  # fmt: skip
+    new = ExpertBank(lays["gate"], lays["up"], lays["down"], biases=bank.biases, act=bank.act,
+                     alpha=bank.alpha, limit=bank.limit)  # fmt: skip
+    return layer.replace(experts=new), info
+
+
+class _DownInputCov:
+    """Observer: E[h hᵀ] of the down-projection input over routed (token, expert) pairs."""
+
+    def __init__(self, width: int) -> None:
+        self.sum, self.n = torch.zeros(width, width, dtype=torch.float64), 0
+
+    def on_route(self, logits, ids, weights) -> None: ...
+
+    def on_shared(self, h, y) -> None: ...
+
+    def on_expert(self, e, tok, slot, h, y) -> None:
+        hd = h.detach().double()
+        self.sum += hd.T @ hd
+        self.n += hd.shape[0]
+
+
+def _live_stats(layer: MoELayer, stats: LayerStats, live: int, cfg: TdmoeConfig) -> LayerStats:
+    """The layer's statistics; for a neuron-pruned bank (ragged, or narrower than at calibration), the
+    down-input covariance is recomputed on the
+    calibration sample through the pruned layer (the calibration statistics index the original neurons,
+    which pruning selected per expert), cut to the live width."""
+    width_stats = [stats[n] for n in ("down_in_cov_pooled", "down_in_grad_cov_pooled") if n in stats]
+    if layer.experts.widths is None and all(t.shape[0] == layer.experts.width for t in width_stats):
+        return stats
+    if cfg.whitening in ("output", "both"):
+        raise PassError(
+            "output whitening needs gradient statistics of the pruned neurons, which calibration (run on the "
+            "input model) does not have; use whitening: input after neuron pruning"
+        )
+    if cfg.whitening == "none":
+        return stats
+    obs = _DownInputCov(layer.experts.width)
+    with torch.no_grad():
+        moe_forward(layer, stats["io_sample_x"].to(layer.experts.gate.dtype), obs)
+    cov = (obs.sum / max(obs.n, 1))[:live, :live]
+    return LayerStats(stats.index, {**stats.tensors, "down_in_cov_pooled": cov})
+
+
+def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
+    layers = [i for i in sorted(infos) if "params_before" in infos[i]]
+    before = sum(infos[i]["params_before"] for i in layers)
+    after = sum(infos[i]["params_after"] for i in layers)
+    dense = sum(infos[i]["dense_params"] for i in layers)
+    return {
+        "summary": {
+            "ratio": cfg.ratio,
+            "routed_fraction_removed": (before - after) / max(before - dense, 1),
+            "per_layer_fraction": {str(i): round(infos[i]["fraction_removed"], 4) for i in layers},
+            "ranks": {str(i): {p: infos[i][p]["ranks"] for p in PROJ} for i in layers},
+            "whitened_rel_error": {
+                str(i): {p: infos[i][p]["whitened_rel_error"] for p in PROJ} for i in layers
+            },
+        },
+        "warnings": [],
+    }
