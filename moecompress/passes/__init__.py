@@ -3,6 +3,26 @@
 Add a pass by creating a module here and importing it below.
 """
 
-from moecompress.passes import ablate, analyze, expert_prune, heapr, identity, neuron_prune, super_experts
+from moecompress.passes import (
+    ablate,
+    analyze,
+    expert_prune,
+    heapr,
+    identity,
+    neuron_prune,
+    super_experts,
+    svd_experts,
+    tdmoe,
+)
 
-__all__ = ["ablate", "analyze", "expert_prune", "heapr", "identity", "neuron_prune", "super_experts"]
+__all__ = [
+    "ablate",
+    "analyze",
+    "expert_prune",
+    "heapr",
+    "identity",
+    "neuron_prune",
+    "super_experts",
+    "svd_experts",
+    "tdmoe",
+]

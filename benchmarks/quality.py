@@ -1,7 +1,8 @@
-"""Pruning quality on the reference models: perplexity, KL and top-1 agreement against the base model
-for each pruning method at each parameter budget.
+"""Compression quality on the reference models: perplexity, KL and top-1 agreement against the base
+model for each method at each parameter budget (pruning by default; decomposition with ``--methods``).
 
-    python benchmarks/pruning_quality.py [--shared ../shared] [--models ref-qwen3moe ref-mixtral ref-deepseekv3]
+    python benchmarks/quality.py --methods tdmoe-input tdmoe-output tdmoe-none svd-input --ratios 0.2 0.4 0.6
+    python benchmarks/quality.py [--shared ../shared] [--models ref-qwen3moe ref-mixtral ref-deepseekv3]
         [--ratios 0.25 0.5] [--methods heapr-global heapr-layer expert-frequency expert-reap expert-random
         neuron-magnitude neuron-wanda] [--samples 64] [--cal-source SRC] [--seq-len 256] [--batch-size 8]
         [--eval-tokens 16384] [--work DIR] [--json PATH]
@@ -40,7 +41,15 @@ METHODS = {
     "expert-random": lambda r: {"expert_prune": {"ratio": r, "method": "random"}},
     "neuron-magnitude": lambda r: {"neuron_prune": {"ratio": r, "method": "magnitude"}},
     "neuron-wanda": lambda r: {"neuron_prune": {"ratio": r, "method": "wanda"}},
+    "tdmoe-input": lambda r: {"tdmoe": {"ratio": r, "whitening": "input"}},
+    "tdmoe-output": lambda r: {"tdmoe": {"ratio": r, "whitening": "output"}},
+    "tdmoe-none": lambda r: {"tdmoe": {"ratio": r, "whitening": "none"}},
+    "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
+    "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
+    "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},
 }
+PRUNING = ["heapr-global", "heapr-layer", "expert-frequency", "expert-reap", "expert-random", "neuron-magnitude",
+           "neuron-wanda"]  # fmt: skip
 
 
 def removed(step: dict) -> tuple[float, float]:
@@ -78,7 +87,7 @@ def main() -> None:
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=PRUNING, choices=list(METHODS))
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument(
         "--cal-source", default=None, help="calibration source (default: the corpus files' training split); "
