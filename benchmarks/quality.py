@@ -44,6 +44,7 @@ METHODS = {
     "tdmoe-input": lambda r: {"tdmoe": {"ratio": r, "whitening": "input"}},
     "tdmoe-output": lambda r: {"tdmoe": {"ratio": r, "whitening": "output"}},
     "tdmoe-none": lambda r: {"tdmoe": {"ratio": r, "whitening": "none"}},
+    "tdmoe-adaptive": lambda r: {"tdmoe": {"ratio": r, "whitening": "input", "budget": "adaptive"}},
     "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
     "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
     "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},

@@ -146,3 +146,25 @@ def test_dry_run_errors(tmp_path):
         mc.apply({**rec, "model": str(tmp_path / "t"), "steps": [{"tdmoe": {}}]}, dry_run=True)
     needs = load_recipe({**rec, "steps": [{"tdmoe": {"whitening": "input"}}]}).needs
     assert "out_grad_cov" not in needs and "input_cov" in needs  # no backward sweep for input whitening
+
+
+def test_adaptive_budget_keeps_the_mean_and_spares_the_sensitive_layer(tmp_path):
+    from moecompress.passes.tdmoe import TdmoeConfig, _plan
+    from moecompress.registry import LayerStats
+
+    y = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    stats = {
+        i: LayerStats(i, {"io_sample_y": y, "out_grad_cov": torch.eye(8) * s})
+        for i, s in enumerate((1, 4, 16))
+    }
+    r = _plan(stats, TdmoeConfig(ratio=0.4, budget="adaptive"))
+    assert sum(r.values()) / 3 == pytest.approx(0.4, abs=1e-6)
+    assert (
+        r[0] > r[1] > r[2] >= 0.2
+    )  # the most sensitive layer is compressed least, within [ratio/2, 2 ratio]
+    save_tiny("qwen3_moe", tmp_path / "m")
+    mc.apply({"model": str(tmp_path / "m"), "output": str(tmp_path / "o"), "calibration": CAL,
+              "steps": [{"tdmoe": {"ratio": 0.4, "budget": "adaptive"}}]}, progress=False)  # fmt: skip
+    rep = json.loads((tmp_path / "o" / "steps" / "01-tdmoe" / "report.json").read_text())
+    assert abs(rep["summary"]["routed_fraction_removed"] - 0.4) <= 0.01
+    assert len(set(rep["summary"]["per_layer_fraction"].values())) > 1

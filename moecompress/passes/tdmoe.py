@@ -17,7 +17,8 @@ decomposed experts' parameters removed) with the parameter count
 ``P = M·r2·r3 + out·r2 + in·r3`` (``r1·r2·r3 + M·r1 + out·r2 + in·r3`` with ``r1 < M``): every ``r2``
 is scanned, ``r3`` solved for, and among the candidates within 0.5% of the target the one with the
 most equal relative ranks (``r2/out ≈ r3/in``) is kept (else the closest). Protected (super) experts
-stay dense, outside the shared factors. Shared experts and routers are untouched.
+stay dense, outside the shared factors. Shared experts and routers are untouched. ``budget: adaptive``
+gives each layer its own ratio by sensitivity (see ``_plan``; the mean over layers is ``ratio``).
 
 Input layouts: dense, or ragged where every decomposed expert has the same live width (``heapr`` with
 ``layout: uniform`` and protected experts): their live parts are decomposed and the factors padded
@@ -62,6 +63,9 @@ class TdmoeConfig(PassConfig):
     input_form: Literal["chol", "inverse"] = Field("chol", description="input whitening factor")
     method: Literal["hosvd", "hooi"] = Field("hosvd", description="Tucker algorithm (tensorly)")
     r1: int | None = Field(None, ge=1, description="expert-mode rank (default: not truncated)")
+    budget: Literal["uniform", "adaptive"] = Field(
+        "uniform", description="same ratio per layer, or by sensitivity"
+    )
 
 
 def tucker_ranks(
@@ -128,14 +132,39 @@ def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
         raise PassError(f"r1={cfg.r1} exceeds the {bank.num_experts} experts")
     e, i, h = bank.gate.shape
     for out, inp in ((i, h), (h, i)):
-        tucker_ranks(e, out, inp, cfg.ratio, cfg.r1)
+        for r in {cfg.ratio, min(2 * cfg.ratio, 0.9) if cfg.budget == "adaptive" else cfg.ratio}:
+            tucker_ranks(e, out, inp, r, cfg.r1)
 
 
-def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, cfg: TdmoeConfig):
+def _plan(all_stats: dict[int, LayerStats], cfg: TdmoeConfig) -> dict[int, float | None]:
+    """``budget: adaptive``: per-layer ratios ``ρ_l ∝ 1/s_l`` with the layer's sensitivity
+    ``s_l = E[yᵀ Σ_g y]`` (``y`` the MoE output on the calibration sample, ``Σ_g`` the LM-loss gradient
+    covariance at it: the loss increase per unit of relative output error, to second order), clipped to
+    ``[ratio/2, min(2·ratio, 0.9)]`` and scaled (bisection) so that their mean is ``ratio``."""
+    if cfg.budget == "uniform":
+        return {i: None for i in all_stats}
+    sens = {}
+    for i, st in all_stats.items():
+        y = st["io_sample_y"].double()
+        sens[i] = float(torch.einsum("ij,ti,tj->", st["out_grad_cov"].double(), y, y)) / max(len(y), 1)
+    inv = {i: 1 / max(v, 1e-300) for i, v in sens.items()}
+    lo, hi = cfg.ratio / 2, min(2 * cfg.ratio, 0.9)
+
+    def ratios(lam: float) -> dict[int, float]:
+        return {i: min(hi, max(lo, lam * v)) for i, v in inv.items()}
+
+    a, b = 0.0, cfg.ratio / min(inv.values())
+    for _ in range(100):
+        mid = (a + b) / 2
+        a, b = (mid, b) if sum(ratios(mid).values()) / len(inv) < cfg.ratio else (a, mid)
+    return ratios((a + b) / 2)
+
+
+def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, ratio: float, cfg: TdmoeConfig):
     full = lay.dense()
     w = full[members][:, :live] if proj != "down" else full[members][:, :, :live]
     m, out, inp = w.shape
-    r1, r2, r3, _ = tucker_ranks(m, out, inp, cfg.ratio, cfg.r1)
+    r1, r2, r3, _ = tucker_ranks(m, out, inp, ratio, cfg.r1)
     core, (u_e, u_out, u_in) = decompose(w, wh, r1, r2, r3, cfg.method)
     u_out, u_in = wh.unwhiten_out(u_out), wh.unwhiten_in(u_in)
     pad = lay.shape[1] - out if proj != "down" else lay.shape[2] - inp  # ragged input: back to full width
@@ -156,8 +185,9 @@ def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, cfg:
 
 
 @register_pass(
-    "tdmoe", TdmoeConfig, needs=ALL_NEEDS | {"io_sample"}, check=_check,
-    needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"},
+    "tdmoe", TdmoeConfig, needs=ALL_NEEDS | {"io_sample"}, check=_check, plan=_plan,
+    needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
+    | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
     summarize=lambda infos, cfg: _summarize(infos, cfg),
 )  # fmt: skip
 def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
@@ -167,16 +197,17 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     members, dense_ids, live = _members(layer)
     if not members:
         return layer, {"skipped": "every expert is protected"}
+    ratio = cfg.ratio if stats.plan is None else float(stats.plan)
     whiteners = projection_whiteners(_live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
     lays, info = {}, {}
     for proj in PROJ:
         lays[proj], info[proj] = _factorise(
-            getattr(bank, proj), proj, members, dense_ids, live, whiteners[proj], cfg
+            getattr(bank, proj), proj, members, dense_ids, live, whiteners[proj], ratio, cfg
         )
     before = sum(getattr(bank, p).num_params() for p in PROJ)
     after = sum(lays[p].num_params() for p in PROJ)
     dense_params = len(dense_ids) * 3 * bank.width * bank.hidden_size
-    info.update(params_before=before, params_after=after, members=len(members), dense_experts=dense_ids,
+    info.update(ratio=ratio, params_before=before, params_after=after, members=len(members), dense_experts=dense_ids,
                 dense_params=dense_params, fraction_removed=(before - after) / max(before - dense_params, 1))  # fmt: skip
     new = ExpertBank(lays["gate"], lays["up"], lays["down"], biases=bank.biases, act=bank.act,
                      alpha=bank.alpha, limit=bank.limit)  # fmt: skip
@@ -231,6 +262,7 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
             "ratio": cfg.ratio,
             "routed_fraction_removed": (before - after) / max(before - dense, 1),
             "per_layer_fraction": {str(i): round(infos[i]["fraction_removed"], 4) for i in layers},
+            "budget": cfg.budget,
             "ranks": {str(i): {p: infos[i][p]["ranks"] for p in PROJ} for i in layers},
             "whitened_rel_error": {
                 str(i): {p: infos[i][p]["whitened_rel_error"] for p in PROJ} for i in layers
