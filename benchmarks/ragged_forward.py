@@ -63,16 +63,21 @@ def timed(layer: MoELayer, x: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_args(ap: argparse.ArgumentParser, ratios: list[float]) -> None:
+    """The layer-shape options shared with ``tucker_forward.py`` (Qwen3-30B-A3B defaults)."""
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--ratios", type=float, nargs="+", default=ratios)
     ap.add_argument("--repeats", type=int, default=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    layer_args(ap, [0.25, 0.5])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)

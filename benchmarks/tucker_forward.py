@@ -15,27 +15,14 @@ with the right shapes (decomposing a 30B layer is not what is measured here). Pr
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from ragged_forward import layer_args, timed  # this folder's sibling script
 
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts import Dense
 from moecompress.passes.tdmoe import tucker_ranks
-from moecompress.reference import moe_forward
 from moecompress.tucker import Tucker
-
-
-def timed(layer: MoELayer, x: torch.Tensor, repeats: int) -> float:
-    with torch.no_grad():
-        moe_forward(layer, x)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            moe_forward(layer, x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def tucker_layout(e: int, out: int, inp: int, ratio: float, gen: torch.Generator) -> Tucker:
@@ -48,13 +35,7 @@ def tucker_layout(e: int, out: int, inp: int, ratio: float, gen: torch.Generator
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--width", type=int, default=768)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.4, 0.6])
-    ap.add_argument("--repeats", type=int, default=5)
+    layer_args(ap, [0.4, 0.6])
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     e, i, h = args.experts, args.width, args.hidden
