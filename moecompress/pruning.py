@@ -228,9 +228,13 @@ def physical_counts(layer: MoELayer, counts: torch.Tensor) -> torch.Tensor:
     return out.index_add_(0, layer.expert_map.to(torch.int64), counts)
 
 
-def prune(layer: MoELayer, scores: torch.Tensor, stats: LayerStats, cfg, widths: torch.Tensor | None = None):
+def prune(
+    layer: MoELayer, scores: torch.Tensor, stats: LayerStats, cfg, widths: torch.Tensor | None = None,
+    *, data_free: bool = False,
+):  # fmt: skip
     """The common per-layer body of the neuron-pruning passes: ``scores`` ``[E, I]`` per physical
-    neuron; ``widths`` from a cross-layer plan, else chosen here (``scope: layer`` / ``uniform``)."""
+    neuron; ``widths`` from a cross-layer plan, else chosen here (``scope: layer`` / ``uniform``).
+    ``data_free`` scores need no tokens, so no expert counts as unseen."""
     bank = layer.experts
     check_prunable(layer, cfg)
     if tuple(scores.shape) != (bank.num_experts, bank.width):
@@ -238,7 +242,7 @@ def prune(layer: MoELayer, scores: torch.Tensor, stats: LayerStats, cfg, widths:
             f"statistics describe {tuple(scores.shape)} experts x neurons but the layer has "
             f"{(bank.num_experts, bank.width)}; run this step before steps that change the experts"
         )
-    counts = physical_counts(layer, stats["expert_counts"])
+    counts = torch.ones(bank.num_experts) if data_free else physical_counts(layer, stats["expert_counts"])
     protected = protected_physical(layer)
     local = scores.double().clone()
     fixed, unseen = exempt_widths(local, counts, protected, cfg)

@@ -94,23 +94,39 @@ def _act(bank: ExpertBank, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _cut(bank: ExpertBank, e: int) -> int | None:
+    """Live width of expert ``e`` when it is pruned, else ``None`` (pruned neurons take no part)."""
+    live = bank.width_of(e)
+    return live if live < bank.width else None
+
+
+def _hidden(bank: ExpertBank, e: int, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Down-projection input of expert ``e`` from its live gate/up outputs (biases, activation)."""
+    n = g.shape[1]
+    if "gate" in bank.biases:
+        g = g + bank.biases["gate"][e][:n]
+    if "up" in bank.biases:
+        u = u + bank.biases["up"][e][:n]
+    return _act(bank, g, u)
+
+
+def _logical(bank: ExpertBank, h: torch.Tensor) -> torch.Tensor:
+    """``h`` at the bank's full width (pruned neurons read 0), as statistics expect it."""
+    return (
+        h if h.shape[1] == bank.width else torch.cat([h, h.new_zeros(h.shape[0], bank.width - h.shape[1])], 1)
+    )
+
+
 def expert_forward(
     bank: ExpertBank, e: int, x: torch.Tensor, observe: Callable[[torch.Tensor], None] | None = None
 ) -> torch.Tensor:
     """Output ``[T, H]`` of physical expert ``e`` of ``bank`` on tokens ``x`` ``[T, H]`` (unweighted).
 
     ``observe(h)`` is called with the down-projection input ``h`` ``[T, I]`` (calibration statistics)."""
-    live = bank.width_of(e)
-    cut = live if live < bank.width else None  # pruned neurons take no part in the forward
-    g = bank.gate.apply(x, e, rows=cut)
-    u = bank.up.apply(x, e, rows=cut)
-    if "gate" in bank.biases:
-        g = g + bank.biases["gate"][e][:live]
-    if "up" in bank.biases:
-        u = u + bank.biases["up"][e][:live]
-    h = _act(bank, g, u)
-    if observe is not None:  # statistics see the logical width (pruned neurons read 0)
-        observe(h if cut is None else torch.cat([h, h.new_zeros(h.shape[0], bank.width - live)], dim=1))
+    cut = _cut(bank, e)
+    h = _hidden(bank, e, bank.gate.apply(x, e, rows=cut), bank.up.apply(x, e, rows=cut))
+    if observe is not None:
+        observe(_logical(bank, h))
     y = bank.down.apply(h, e, cols=cut)
     if "down" in bank.biases:
         y = y + bank.biases["down"][e]
@@ -171,16 +187,13 @@ def experts_forward(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in torch.unique(phys).tolist():
         tok, slot = torch.where(phys == p)
-        live = bank.width_of(p)
-        cut = live if live < bank.width else None  # pruned neurons take no part in the forward
+        cut = _cut(bank, p)
         g = bank.gate.decode(*bank.gate.partial(ctx_g, p, tok, rows=cut))
         u = bank.up.decode(*bank.up.partial(ctx_u, p, tok, rows=cut))
-        if "gate" in bank.biases:
-            g = g + bank.biases["gate"][p][:live]
-        if "up" in bank.biases:
-            u = u + bank.biases["up"][p][:live]
-        h = _act(bank, g, u)
-        space, mid = bank.down.partial(bank.down.encode(h), p, torch.arange(len(tok), device=x.device), cols=cut)
+        h = _hidden(bank, p, g, u)
+        space, mid = bank.down.partial(
+            bank.down.encode(h), p, torch.arange(len(tok), device=x.device), cols=cut
+        )
         w = weights[tok, slot, None].float()
         bias = bank.biases.get("down")
         if bias is not None and space == "out":  # already in the output space: add it as transformers does
@@ -193,8 +206,7 @@ def experts_forward(
         if observer is not None:
             y = bank.down.decode(space, mid)
             y = y + bias[p] if bias is not None and space != "out" else y
-            full = h if cut is None else torch.cat([h, h.new_zeros(h.shape[0], bank.width - live)], dim=1)
-            observer.on_expert(p, tok, slot, full, y)
+            observer.on_expert(p, tok, slot, _logical(bank, h), y)
     for space, value in acc.items():
         out += bank.down.decode(space, value).float()
     return out

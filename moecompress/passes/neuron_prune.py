@@ -68,14 +68,7 @@ def wanda_scores(layer: MoELayer, stats: LayerStats) -> torch.Tensor:
 )  # fmt: skip
 def neuron_prune(layer: MoELayer, stats: LayerStats, cfg: NeuronPruneConfig) -> tuple[MoELayer, dict]:
     """Prune routed-expert neurons by weight magnitude or Wanda score (gradient-free baselines)."""
-    check_prunable(layer, cfg)
-    if cfg.method == "magnitude":
-        scores = neuron_norms(layer.experts).double()
-        # magnitude needs no tokens: no expert is "unseen"
-        stats = LayerStats(
-            stats.index, {**stats.tensors, "expert_counts": torch.ones(layer.router.num_experts)}
-        )
-    else:
-        scores = wanda_scores(layer, stats)
-    new, info = prune(layer, scores, stats, cfg)
+    magnitude = cfg.method == "magnitude"
+    scores = neuron_norms(layer.experts).double() if magnitude else wanda_scores(layer, stats)
+    new, info = prune(layer, scores, stats, cfg, data_free=magnitude)
     return new, {**info, "method": cfg.method}

@@ -180,7 +180,8 @@ def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, rati
     dense = full[dense_ids].to(dt) if dense_ids else None
     new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None if fold else u_e.to(dt))
     recon = torch.stack([new.expert(e) for e in members]).double()[..., :out, :inp]
-    err = float((wh.whiten(recon) - wh.whiten(w)).norm() / wh.whiten(w).norm().clamp_min(1e-30))
+    target = wh.whiten(w)
+    err = float((wh.whiten(recon) - target).norm() / target.norm().clamp_min(1e-30))
     return new, {"ranks": [r1, r2, r3], "whitened_rel_error": round(err, 6)}
 
 
