@@ -69,6 +69,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed
     *lead, nbytes = packed.shape
     shifts = torch.arange(8, device=packed.device)
-    stream = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, nbytes * 8)[..., : n * bits]
+    stream = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, nbytes * 8)[
+        ..., : n * bits
+    ]
     weights = (1 << torch.arange(bits, device=packed.device)).to(torch.int64)
     return (stream.reshape(*lead, n, bits) * weights).sum(-1).to(torch.uint8)

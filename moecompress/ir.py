@@ -94,6 +94,12 @@ class ExpertBank:
     ``widths[e]`` (optional) is the live intermediate width of expert ``e``: only its first
     ``widths[e]`` gate/up rows and down columns take part in the forward. ``biases`` may hold
     ``"gate"``/``"up"`` ``[E, I]`` and ``"down"`` ``[E, H]`` (GPT-OSS).
+
+    ``rotation`` ``[H, H]`` (optional, orthogonal) is applied to the bank's input once per token,
+    ``x' = x @ rotation``, before every expert; gate/up are then stored in the rotated basis
+    (``W' = W @ rotation`` leaves ``W' x'`` unchanged). ``act_bits`` (optional) fake-quantises that
+    input per token (asymmetric min-max, evaluation of A4-style schemes). Both come from ``codequant``.
+    Experts in ``unrotated`` (protected super experts, stored bit-identically) read the original input.
     """
 
     gate: Layout
@@ -104,9 +110,18 @@ class ExpertBank:
     act: Act = Act.SWIGLU
     alpha: float = 1.702
     limit: float = 7.0
+    rotation: torch.Tensor | None = None
+    act_bits: int | None = None
+    unrotated: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         e, i, h = self.gate.shape
+        if self.rotation is not None and tuple(self.rotation.shape) != (h, h):
+            raise LayoutError(f"rotation shape {tuple(self.rotation.shape)} != ({h}, {h})")
+        if self.act_bits is not None and not 2 <= self.act_bits <= 16:
+            raise LayoutError(f"act_bits={self.act_bits} must be in [2, 16]")
+        if any(not 0 <= x < e for x in self.unrotated):
+            raise LayoutError(f"unrotated experts {sorted(self.unrotated)} out of [0, {e})")
         if self.up.shape != (e, i, h):
             raise LayoutError(f"up shape {self.up.shape} != gate shape {(e, i, h)}")
         if self.down.shape != (e, h, i):
@@ -146,13 +161,16 @@ class ExpertBank:
     def width_of(self, e: int) -> int:
         return self.width if self.widths is None else int(self.widths[e])
 
+    def _extras(self) -> list[torch.Tensor]:
+        return [*self.biases.values(), *([] if self.rotation is None else [self.rotation])]
+
     def num_params(self) -> int:
         n = self.gate.num_params() + self.up.num_params() + self.down.num_params()
-        return n + sum(b.numel() for b in self.biases.values())
+        return n + sum(b.numel() for b in self._extras())
 
     def nbytes(self) -> int:
         n = self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
-        return n + sum(b.numel() * b.element_size() for b in self.biases.values())
+        return n + sum(b.numel() * b.element_size() for b in self._extras())
 
 
 @dataclass(frozen=True, eq=False)

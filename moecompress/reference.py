@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
+from moecompress.rotation import fake_quant_tokens
 
 
 def router_logits(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +95,19 @@ def _act(bank: ExpertBank, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def bank_input(bank: ExpertBank, x: torch.Tensor, e: int | None = None) -> torch.Tensor:
+    """What the gate/up projections of the bank (of expert ``e``) read: ``x``, rotated
+    (``x @ rotation``) and fake-quantised per token (``act_bits``) when the bank says so (``codequant``);
+    experts in ``bank.unrotated`` read ``x`` itself."""
+    if e is not None and e in bank.unrotated:
+        return x
+    if bank.rotation is not None:
+        x = F.linear(x.to(bank.rotation.dtype), bank.rotation.T)
+    if bank.act_bits is not None:
+        x = fake_quant_tokens(x, bank.act_bits)
+    return x
+
+
 def _cut(bank: ExpertBank, e: int) -> int | None:
     """Live width of expert ``e`` when it is pruned, else ``None`` (pruned neurons take no part)."""
     live = bank.width_of(e)
@@ -124,6 +138,7 @@ def expert_forward(
 
     ``observe(h)`` is called with the down-projection input ``h`` ``[T, I]`` (calibration statistics)."""
     cut = _cut(bank, e)
+    x = bank_input(bank, x, e)
     h = _hidden(bank, e, bank.gate.apply(x, e, rows=cut), bank.up.apply(x, e, rows=cut))
     if observe is not None:
         observe(_logical(bank, h))
@@ -182,12 +197,16 @@ def experts_forward(
     token: the gate/up input transform before the loop, the down output transform after the weighted
     sum (``decode`` is linear)."""
     phys = ids if expert_map is None else expert_map.to(ids.device)[ids]
-    ctx_g, ctx_u = bank.gate.encode(x), bank.up.encode(x)
+    xin = bank_input(bank, x)
+    ctx = {False: (bank.gate.encode(xin), bank.up.encode(xin))}
+    if bank.unrotated:
+        ctx[True] = (bank.gate.encode(x), bank.up.encode(x)) if xin is not x else ctx[False]
     acc: dict[str, torch.Tensor] = {}
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in torch.unique(phys).tolist():
         tok, slot = torch.where(phys == p)
         cut = _cut(bank, p)
+        ctx_g, ctx_u = ctx[p in bank.unrotated]
         g = bank.gate.decode(*bank.gate.partial(ctx_g, p, tok, rows=cut))
         u = bank.up.decode(*bank.up.partial(ctx_u, p, tok, rows=cut))
         h = _hidden(bank, p, g, u)

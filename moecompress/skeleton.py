@@ -18,6 +18,7 @@ No transformers class is patched; only module instances of our own skeleton are 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -60,11 +61,14 @@ def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
     def bank(b: ExpertBank | None) -> ExpertBank | None:
         if b is None:
             return None
-        lays = []
-        for lay in (b.gate, b.up, b.down):
-            lays.append(lay.cast(dtype))
-        biases = {k: v.to(dtype) for k, v in b.biases.items()}
-        return ExpertBank(*lays, widths=b.widths, biases=biases, act=b.act, alpha=b.alpha, limit=b.limit)
+        return dataclasses.replace(
+            b,
+            gate=b.gate.cast(dtype),
+            up=b.up.cast(dtype),
+            down=b.down.cast(dtype),
+            biases={k: v.to(dtype) for k, v in b.biases.items()},
+            rotation=None if b.rotation is None else b.rotation.to(dtype),
+        )
 
     def t(x):
         return None if x is None else x.to(dtype) if x.is_floating_point() else x

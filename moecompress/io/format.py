@@ -9,6 +9,7 @@ router and shared expert under the stock names and stores its routed experts und
     <experts>.<gate|up|down>_bias       biases (GPT-OSS)
     <experts>.widths                    int32 [E] live widths (when not all full)
     <experts>.expert_map                int64 [E_logical] logical -> physical expert (merged experts)
+    <experts>.rotation                  [H, H] input rotation of the bank (codequant)
 
 and ``config.json["moecompress"]["layers"]["<i>"]`` describes it (layout ``meta()`` per projection,
 which optional tensors exist, the physical expert count). Such a checkpoint also carries
@@ -28,6 +29,7 @@ import moecompress.lowrank  # noqa: F401  (registers the 'lowrank' layout kind f
 from moecompress.errors import CheckpointError, LayoutError
 from moecompress.ir import Act, ExpertBank, MoELayer
 from moecompress.layouts import LAYOUTS, Dense
+from moecompress.scalarq import RTN  # noqa: F401  (registers the 'rtn' layout kind for loading)
 from moecompress.tucker import Tucker  # noqa: F401  (registers the layout for loading)
 
 FORMAT_VERSION = 1
@@ -46,7 +48,8 @@ def is_stock(layer: MoELayer, adapter=None) -> bool:
     shared_dense = layer.shared is None or all(
         isinstance(lay, Dense) for lay in (layer.shared.gate, layer.shared.up, layer.shared.down)
     )
-    return dense and full and shared_dense and layer.expert_map is None
+    plain = bank.rotation is None and bank.act_bits is None
+    return dense and full and shared_dense and plain and layer.expert_map is None
 
 
 def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -76,6 +79,13 @@ def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dic
     if bank.widths is not None and not bool((bank.widths == bank.width).all()):
         out[f"{p}.widths"] = bank.widths.to(torch.int32)
         desc["widths"] = True
+    if bank.rotation is not None:
+        out[f"{p}.rotation"] = bank.rotation
+        desc["rotation"] = str(bank.rotation.dtype).removeprefix("torch.")
+    if bank.act_bits is not None:
+        desc["act_bits"] = int(bank.act_bits)
+    if bank.unrotated:
+        desc["unrotated"] = sorted(bank.unrotated)
     if layer.expert_map is not None:
         out[f"{p}.expert_map"] = layer.expert_map.to(torch.int64)
         desc["expert_map"] = True
@@ -98,6 +108,7 @@ def compressed_keys(adapter, i: int, desc: dict[str, Any]) -> list[str]:
     keys += [f"{p}.{b}_bias" for b in desc.get("biases", [])]
     keys += [f"{p}.widths"] if desc.get("widths") else []
     keys += [f"{p}.expert_map"] if desc.get("expert_map") else []
+    keys += [f"{p}.rotation"] if desc.get("rotation") else []
     return keys
 
 
@@ -123,6 +134,9 @@ def decode_bank(
         act=Act(desc.get("act", "swiglu")),
         alpha=float(desc.get("alpha", 1.702)),
         limit=float(desc.get("limit", 7.0)),
+        rotation=tensors.get(f"{prefix}.rotation"),
+        act_bits=desc.get("act_bits"),
+        unrotated=frozenset(int(e) for e in desc.get("unrotated", [])),
     )
     emap = tensors.get(f"{prefix}.expert_map")
     return bank, None if emap is None else emap.to(torch.int64)

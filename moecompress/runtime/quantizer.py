@@ -67,6 +67,10 @@ class CompressedExperts(nn.Module):
             )
         if desc.get("widths"):
             self.register_buffer("widths", torch.empty(e, dtype=torch.int32, device="meta"))
+        if desc.get("rotation"):
+            dtype = _DTYPES.get(str(desc["rotation"]), torch.float32)
+            t = torch.empty(hidden_size, hidden_size, dtype=dtype, device="meta")
+            self.register_parameter("rotation", nn.Parameter(t, requires_grad=False))
         if desc.get("expert_map"):
             n_logical = int(desc.get("num_logical_experts", e))
             self.register_buffer("expert_map", torch.empty(n_logical, dtype=torch.int64, device="meta"))

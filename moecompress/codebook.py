@@ -1,0 +1,224 @@
+"""The ``codebook`` layout: per-row (or per row-group) scalar codebooks with bit-packed indices.
+
+Each output row of each expert's projection is split into ``G`` groups of ``in / G`` consecutive input
+channels; every group has ``K = 2^bits`` centroids and each weight stores the index of its centroid::
+
+    W[e][i, j] = centroids[m, i, j // gs, codes[m, i, j]]      m = members[e],  gs = in / G
+
+``codes`` are bit-packed per row with :mod:`moecompress.bitpack` (``uint8`` ``[M, out, ceil(in·bits/8)]``),
+``centroids`` are stored in float16 ``[M, out, G, K]``. Experts with ``members[e] = -1`` (protected
+super experts) are stored bit-identically in ``exact`` ``[P, out, in]`` (expert-id order). The forward
+decodes one expert at a time (:meth:`Codebook.expert`), never the whole bank.
+
+Bytes per weight: ``bits / 8`` for the codes plus ``2·K / gs`` for the centroids (``gs = in`` per row):
+4 bits at ``in = 2048`` is 0.5156 B (4.125 bits); at ``in = 128`` it is 0.75 B (6 bits).
+
+:func:`kmeans_1d` is the clustering every row goes through (k-means++ seeding, Lloyd iterations, exact
+1-D assignment by binary search between sorted centroids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moecompress.bitpack import pack_bits, packed_size, unpack_bits
+from moecompress.errors import LayoutError
+from moecompress.layouts import LAYOUTS, Layout
+
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def nearest(values: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest centroid for each value: ``values`` ``[N, n]``, ``centroids`` ``[N, K]``
+    (any order) -> int64 ``[N, n]``. Exact (binary search between sorted centroids' midpoints)."""
+    c, order = centroids.sort(dim=-1)
+    mids = (c[:, 1:] + c[:, :-1]) / 2
+    pos = torch.searchsorted(mids.contiguous(), values.contiguous())
+    return order.gather(1, pos)
+
+
+def kmeans_1d(
+    values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
+    (D² sampling from a generator seeded with ``seed``), then Lloyd iterations until no centroid moves
+    by more than ``tol`` times the row's range. Returns ``(centroids [N, k], assignment [N, n] int64)``.
+    A row with at most ``k`` distinct values is reproduced exactly."""
+    v = values.double()
+    n_rows, n = v.shape
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(n_rows)
+    first = torch.randint(0, n, (n_rows,), generator=g)
+    cents = [v[rows, first]]
+    d2 = (v - cents[0][:, None]) ** 2
+    for _ in range(1, k):
+        w = d2.clone()
+        done = w.sum(1) <= 0  # every value already a centroid: any pick is a duplicate
+        w[done] = 1.0
+        pick = torch.multinomial(w.float(), 1, generator=g)[:, 0]
+        c = v[rows, pick]
+        cents.append(c)
+        d2 = torch.minimum(d2, (v - c[:, None]) ** 2)
+    c = torch.stack(cents, 1)
+    scale = (v.amax(1) - v.amin(1)).clamp_min(1e-30)
+    for _ in range(iters):
+        a = nearest(v, c)
+        sums = torch.zeros_like(c).scatter_add_(1, a, v)
+        counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
+        new = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+        moved = float(((new - c).abs().amax(1) / scale).max()) if n_rows else 0.0
+        c = new
+        if moved <= tol:
+            break
+    return c.to(values.dtype), nearest(v, c)
+
+
+@dataclass(frozen=True, eq=False)
+class Codebook(Layout):
+    """Packed codes ``[M, out, ceil(in·bits/8)]``, float16 centroids ``[M, out, G, 2^bits]``, ``members``
+    ``[E]`` (index into the quantised experts, or -1), ``exact`` ``[P, out, in]``; ``logical_dtype`` is the
+    dtype the forward decodes to."""
+
+    codes: torch.Tensor
+    centroids: torch.Tensor
+    members: torch.Tensor
+    exact: torch.Tensor
+    bits: int
+    in_features: int
+    logical_dtype: torch.dtype = torch.float32
+    kind: ClassVar[str] = "codebook"
+
+    def __post_init__(self) -> None:
+        c, cb, m, ex = self.codes, self.centroids, self.members, self.exact
+        if c.dim() != 3 or cb.dim() != 4 or m.dim() != 1 or ex.dim() != 3:
+            raise LayoutError(
+                f"Codebook needs codes [M, out, bytes], centroids [M, out, G, K], members [E], exact [P, out, in]; "
+                f"got {tuple(c.shape)}, {tuple(cb.shape)}, {tuple(m.shape)}, {tuple(ex.shape)}"
+            )
+        out, g = cb.shape[1], cb.shape[2]
+        if (
+            cb.shape[3] != 1 << self.bits
+            or tuple(c.shape[:2]) != (cb.shape[0], out)
+            or c.shape[2] != packed_size(self.in_features, self.bits)
+            or self.in_features % g
+            or tuple(ex.shape[1:]) != (out, self.in_features)
+        ):
+            raise LayoutError(
+                f"Codebook parts do not fit: codes {tuple(c.shape)}, centroids {tuple(cb.shape)}, exact "
+                f"{tuple(ex.shape)} for {self.bits} bits and {self.in_features} inputs"
+            )
+        if m.device.type != "meta":
+            q, p = int((m >= 0).sum()), int((m < 0).sum())
+            if not torch.equal(m[m >= 0].cpu(), torch.arange(q)) or q != c.shape[0] or p != ex.shape[0]:
+                raise LayoutError(
+                    f"Codebook members {m.tolist()} do not fit {c.shape[0]} quantised and {p} exact experts"
+                )
+        object.__setattr__(self, "_slot", torch.where(m >= 0, m, (m < 0).cumsum(0) - 1))
+
+    @classmethod
+    def build(
+        cls,
+        codes: dict[int, torch.Tensor],
+        centroids: dict[int, torch.Tensor],
+        exact: dict[int, torch.Tensor],
+        bits: int,
+        like: torch.Tensor,
+    ) -> Codebook:
+        """From per-expert codes ``[out, in]`` (ints) and centroids ``[out, G, K]``, and exact experts
+        ``{e: W [out, in]}``; ``like`` ``[..., out, in]`` gives the shape and the logical dtype."""
+        out, inn = like.shape[-2:]
+        ids, rest = sorted(codes), sorted(exact)
+        n = len(ids) + len(rest)
+        if set(ids) | set(rest) != set(range(n)) or set(ids) & set(rest):
+            raise LayoutError("Codebook.build: every expert must be either quantised or exact, once")
+        members = torch.full((n,), -1, dtype=torch.int64)
+        members[ids] = torch.arange(len(ids))
+        nb = packed_size(inn, bits)
+        packed = (
+            torch.stack([pack_bits(codes[e], bits) for e in ids])
+            if ids
+            else torch.zeros(0, out, nb, dtype=torch.uint8)
+        )
+        g = centroids[ids[0]].shape[1] if ids else 1
+        cents = (
+            torch.stack([centroids[e] for e in ids]).to(torch.float16)
+            if ids
+            else torch.zeros(0, out, g, 1 << bits, dtype=torch.float16)
+        )
+        ex = torch.stack([exact[e] for e in rest]) if rest else like.new_zeros(0, out, inn)
+        return cls(packed, cents, members, ex, bits, int(inn), like.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (int(self.members.shape[0]), int(self.centroids.shape[1]), self.in_features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.logical_dtype
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // int(self.centroids.shape[2])
+
+    def indices(self, e: int) -> torch.Tensor | None:
+        """Centroid indices ``[out, in]`` (uint8) of expert ``e``, or ``None`` when it is stored exactly."""
+        m = int(self.members[e])
+        return None if m < 0 else unpack_bits(self.codes[m], self.bits, self.in_features)
+
+    def expert(self, e: int) -> torch.Tensor:
+        idx = self.indices(e)
+        if idx is None:
+            return self.exact[int(self._slot[e])]  # type: ignore[attr-defined]
+        cb = self.centroids[int(self.members[e])]
+        out, g, _k = cb.shape
+        w = cb.to(self.logical_dtype).gather(2, idx.long().view(out, g, self.group_size))
+        return w.view(out, self.in_features)
+
+    def apply(
+        self, x: torch.Tensor, e: int, *, rows: int | None = None, cols: int | None = None
+    ) -> torch.Tensor:
+        w = self.expert(e)[:rows, :cols]
+        return F.linear(x.to(w.dtype), w)
+
+    def cast(self, dtype: torch.dtype) -> Codebook:
+        if dtype == self.logical_dtype:
+            return self
+        return dataclasses.replace(self, logical_dtype=dtype, exact=self.exact.to(dtype))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"codes": self.codes, "centroids": self.centroids, "members": self.members}
+        if self.exact.shape[0]:
+            out["exact"] = self.exact
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "dtype": str(self.logical_dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Codebook:
+        need = {"codes", "centroids", "members"}
+        if not need <= set(tensors) or not set(tensors) <= need | {"exact"}:
+            raise LayoutError(
+                f"Codebook layout needs 'codes', 'centroids', 'members' (and 'exact'), got {sorted(tensors)}"
+            )
+        _, out, inn = (int(v) for v in meta["shape"])
+        dtype = _DT.get(str(meta.get("dtype", "float32")), torch.float32)
+        exact = tensors.get("exact")
+        if exact is None:
+            exact = torch.zeros(0, out, inn, dtype=dtype, device=tensors["codes"].device)
+        members = tensors["members"].to(torch.int64)
+        return cls(tensors["codes"], tensors["centroids"], members, exact, int(meta["bits"]), inn, dtype)
+
+
+LAYOUTS[Codebook.kind] = Codebook

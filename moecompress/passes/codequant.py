@@ -1,0 +1,217 @@
+"""``codequant``: learned rotation + per-row codebook quantisation of the routed experts (CodeQuant).
+
+CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
+
+1. **Rotation** (AOS) of the MoE block's input ``x' = x R`` (``R`` orthogonal ``[H, H]``):
+   ``rotation: learned`` minimises ``mean ‖x R − Q_b(x R)‖²`` (``Q_b`` per-token asymmetric min-max,
+   ``rotation_bits``) on the layer's calibration inputs with the Cayley parametrisation and Adam, from a
+   randomised Hadamard start (:mod:`moecompress.rotation`); ``hadamard`` uses that start as is; ``none``
+   skips it. **``fuse: online``** (the one built): the bank rotates its input once per token (an
+   ``H × H`` matmul) and gate/up are stored as ``W R``, so the full-precision function is unchanged. The
+   router is *not* rotated: it stays a stock full-precision module reading ``x`` (``W_r x = (W_r R)(x R)ᵀ``,
+   so rotating it would change nothing but its module). ``fuse: model`` (QuaRot-style folding of
+   RMSNorm weights and one ``R`` into embeddings, attention and lm_head) is not built: it rewrites
+   tensors outside the MoE layers, which a per-layer pass cannot express, and it forces one ``R`` on
+   every layer where online fusion lets each layer learn its own.
+2. **Codebooks** (ACCF): each output row of every routed expert projection (``scope: all``: gate, up and
+   down; ``rotated_inputs``: gate and up only, as the released code, down kept dense), split into groups
+   of ``group`` inputs (``-1``: the whole row), gets ``2^bits`` centroids by k-means (k-means++ seeded,
+   ``kmeans_iters``) — :class:`~moecompress.codebook.Codebook` layout, codes bit-packed, fp16 centroids.
+3. **Output-aware reassignment**: ``k*(i, j) = argmin_k (B_j W_ij − A_j C_ik)²`` with ``A_j = E[x_j²]``,
+   ``B_j = E[x_j x̂_j]`` over the expert's routed calibration inputs, ``x̂`` the activation-quantised
+   input (``eval_act_bits``). Without activation quantisation ``B = A`` and this is nearest-centroid
+   assignment (as in the released code); down inputs are never activation-quantised.
+4. **Centroid fine-tuning**: ``finetune_steps`` Adam steps on the centroids (assignment fixed within a
+   step, reassigned after it) against ``‖MoE_q(x) − MoE(x)‖² / ‖MoE(x)‖² + kl_weight · KL(P_router ‖
+   P_router,q)`` on the first 3/4 of the calibration sample; the centroids with the lowest error on the
+   last 1/4 are kept (the k-means result if no step improves). ``MoE`` is this step's input layer, so the
+   pass chains after pruning. The router stays full precision and reads the same layer-local input, so
+   the KL term is exactly 0 here (reported); it matters only when a step changes the router or its input.
+   ``finetune_steps: 0`` is the "k-means only" ablation.
+5. ``eval_act_bits`` (optional) stores an activation fake-quantiser in the output: every forward (and
+   the fine-tuning) quantises the rotated gate/up input per token, as in the paper's A4W4 tables.
+
+Protected (super) experts are stored bit-identically (``exact``), read the unrotated input and are never
+activation-quantised. Shared experts are kept in full precision (the format describes routed banks
+only). Input must be dense (quantise last; prune with ``layout: uniform`` before).
+
+Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
+than 512 tokens). Cost per layer: k-means of every row (``E·(2I + H)`` rows), ``finetune_steps`` forwards
+and backwards of the layer on the sample.
+
+Example steps::
+
+    steps:
+      - protect_super_experts: {}
+      - codequant: {bits: 4}                                  # learned rotation, fine-tuned codebooks
+      - codequant: {bits: 3, rotation: hadamard, finetune_steps: 0, eval_act_bits: 4}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from moecompress.codebook import Codebook
+from moecompress.errors import PassError
+from moecompress.ir import MoELayer
+from moecompress.layouts import Dense
+from moecompress.quantize import cluster, finetune, gate_up_scales, reassign, rotate_bank
+from moecompress.registry import LayerStats, PassConfig, register_pass
+from moecompress.rotation import hadamard, learn_rotation, quant_error
+
+
+class CodequantConfig(PassConfig):
+    bits: Literal[2, 3, 4] = Field(4, description="index bits per weight (2^bits centroids per group)")
+    group: int = Field(
+        -1, description="inputs per codebook (must divide every projection's input); -1: whole row"
+    )
+    scope: Literal["all", "rotated_inputs"] = Field(
+        "all", description="quantise gate, up and down, or only gate/up (the released code's scope)"
+    )
+    rotation: Literal["learned", "hadamard", "none"] = Field("learned", description="input rotation")
+    fuse: Literal["online"] = Field(
+        "online", description="how the rotation is applied (only online is built)"
+    )
+    rotation_bits: int = Field(4, ge=2, le=8, description="per-token activation bits of the rotation loss")
+    rotation_steps: int = Field(100, ge=0, description="Adam steps of the learned rotation")
+    rotation_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the rotation")
+    kmeans_iters: int = Field(300, ge=1, description="Lloyd iterations at most")
+    finetune_steps: int = Field(50, ge=0, description="centroid fine-tuning steps (0: k-means only)")
+    finetune_lr: float = Field(
+        0.01, gt=0, description="Adam step, relative to the projection's mean |weight|"
+    )
+    kl_weight: float = Field(1.0, ge=0, description="weight λ of the router KL term")
+    eval_act_bits: int | None = Field(None, ge=2, le=16, description="fake-quantise gate/up inputs (A4: 4)")
+    seed: int = Field(42, ge=0, description="seed of k-means++, the Hadamard signs and the rotation batches")
+
+
+def _projections(cfg: CodequantConfig) -> tuple[str, ...]:
+    return ("gate", "up", "down") if cfg.scope == "all" else ("gate", "up")
+
+
+def _check(layer: MoELayer, cfg: CodequantConfig) -> None:
+    bank = layer.experts
+    if not all(isinstance(getattr(bank, n), Dense) for n in ("gate", "up", "down")):
+        kinds = sorted({getattr(bank, n).kind for n in ("gate", "up", "down")})
+        raise PassError(
+            f"codequant needs dense experts, got layouts {kinds}; quantise last (after pruning with "
+            "layout: uniform, merging or nothing)"
+        )
+    w = bank.widths
+    if w is not None and w.device.type != "meta" and bool((w != bank.width).any()):
+        raise PassError("codequant needs experts of one width; prune with layout: uniform before quantising")
+    if bank.rotation is not None or bank.act_bits is not None:
+        raise PassError("this layer is already rotated/quantised by an earlier codequant step; quantise once")
+    if cfg.group != -1:
+        for name in _projections(cfg):
+            inn = getattr(bank, name).shape[2]
+            if cfg.group <= 0 or inn % cfg.group:
+                raise PassError(
+                    f"group={cfg.group} does not divide the {inn} inputs of {name}; use a divisor of "
+                    f"{bank.hidden_size} and {bank.width}, or -1 (whole rows)"
+                )
+
+
+def _rotation(layer: MoELayer, x: torch.Tensor, cfg: CodequantConfig, info: dict) -> torch.Tensor | None:
+    if cfg.rotation == "none":
+        return None
+    r = hadamard(layer.hidden_size, cfg.seed + layer.index)
+    info["act_error_unrotated"] = quant_error(x, cfg.rotation_bits)
+    info["act_error_hadamard"] = quant_error(x.double() @ r, cfg.rotation_bits)
+    if cfg.rotation == "learned" and cfg.rotation_steps:
+        r, losses = learn_rotation(
+            x, bits=cfg.rotation_bits, steps=cfg.rotation_steps, lr=cfg.rotation_lr, init=r, seed=cfg.seed
+        )
+        info["act_error_learned"] = quant_error(x.double() @ r, cfg.rotation_bits)
+        info["rotation_loss_first_last"] = [losses[0], losses[-1]]
+    return r
+
+
+def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
+    """Step summary: bytes and bytes per routed-expert parameter, errors per layer."""
+    layers = sorted(infos)
+    before = sum(infos[i]["bytes_before"] for i in layers)
+    after = sum(infos[i]["bytes_after"] for i in layers)
+    params = sum(infos[i]["routed_params"] for i in layers)
+    keys = ("act_error_unrotated", "act_error_hadamard", "act_error_learned", "val_error_kmeans", "val_error_final",
+            "best_step", "router_kl")  # fmt: skip
+    per_layer = {str(i): {k: infos[i][k] for k in keys if k in infos[i]} for i in layers}
+    warnings = [
+        f"layer {i}: centroid fine-tuning did not improve the held-back error; kept the k-means codebooks"
+        for i in layers
+        if cfg.finetune_steps and infos[i].get("best_step") == 0 and infos[i].get("quantised_experts")
+    ]
+    return {
+        "summary": {
+            "bits": cfg.bits,
+            "rotation": cfg.rotation,
+            "scope": cfg.scope,
+            "routed_bytes_before": before,
+            "routed_bytes_after": after,
+            "routed_bytes_per_param": after / params if params else 0.0,
+            "routed_bits_per_param": 8 * after / params if params else 0.0,
+            "routed_fraction_removed": 0.0,
+            "per_layer": per_layer,
+        },
+        "warnings": warnings,
+    }
+
+
+@register_pass("codequant", CodequantConfig, needs={"io_sample"}, check=_check, summarize=summarize_codequant)
+def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple[MoELayer, dict]:
+    """Rotation + per-row codebook quantisation of the routed experts (CodeQuant)."""
+    _check(layer, cfg)
+    bank = layer.experts
+    x = stats["io_sample_x"].float()
+    n_fit = max(1, (3 * x.shape[0]) // 4)
+    x_fit, x_val = x[:n_fit], x[n_fit:] if x.shape[0] > n_fit else x
+    protected = frozenset(layer.physical(e) for e in layer.protected)
+    ids = [e for e in range(bank.num_experts) if e not in protected]
+    info: dict = {"protected": sorted(protected), "bits": cfg.bits, "bytes_before": bank.nbytes()}
+    r = _rotation(layer, x_fit, cfg, info)
+    rotated = layer if r is None else layer.replace(experts=rotate_bank(bank, r, protected))
+    if cfg.eval_act_bits is not None:
+        rotated = rotated.replace(experts=dataclasses.replace(rotated.experts, act_bits=cfg.eval_act_bits))
+    idx = torch.tensor(ids, dtype=torch.long)
+    parts, scales = {}, {}
+    for name in _projections(cfg):
+        w = getattr(rotated.experts, name).dense()[idx].float()
+        gs = w.shape[2] if cfg.group == -1 else cfg.group
+        cents, codes = cluster(w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed)
+        scales[name] = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits) if name != "down" else None
+        if scales[name] is not None:
+            codes = reassign(w, cents, scales[name])
+        parts[name] = {"w": w, "cents": cents, "codes": codes}
+    info.update(
+        finetune(
+            layer,
+            rotated,
+            parts,
+            ids,
+            x_fit,
+            x_val,
+            steps=cfg.finetune_steps if ids else 0,
+            lr=cfg.finetune_lr,
+            kl_weight=cfg.kl_weight,
+            scales=scales,
+        )
+    )
+    new = {}
+    for name, p in parts.items():
+        dense = getattr(rotated.experts, name).dense()
+        new[name] = Codebook.build(
+            dict(zip(ids, p["codes"])),
+            dict(zip(ids, p["cents"])),
+            {e: dense[e] for e in protected},
+            cfg.bits,
+            dense,
+        )
+    out_bank = dataclasses.replace(rotated.experts, **new)
+    logical = 3 * bank.num_experts * bank.width * bank.hidden_size
+    info.update(bytes_after=out_bank.nbytes(), routed_params=logical, quantised_experts=len(ids))
+    info["bytes_per_param"] = info["bytes_after"] / logical
+    return layer.replace(experts=out_bank), info

@@ -1,0 +1,208 @@
+"""codequant and the codebook layout: oracles (lossless codebooks, exact rotation), k-means, rotation
+learning, fine-tuning, end to end through the quantizer, chaining after heapr, and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from tiny import save_tiny
+from transformers import AutoModelForCausalLM
+
+import moecompress as mc
+from moecompress.codebook import Codebook, kmeans_1d, nearest
+from moecompress.errors import PassError
+from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
+from moecompress.layouts import LAYOUTS, Dense
+from moecompress.passes.codequant import CodequantConfig, codequant
+from moecompress.quantize import rotate_bank
+from moecompress.reference import moe_forward
+from moecompress.registry import LayerStats
+from moecompress.rotation import hadamard, learn_rotation, quant_error
+from moecompress.skeleton import InstrumentedMoE
+
+CAL = {"source": "random", "samples": 8, "seq_len": 32, "batch_size": 4}
+E, W, H = 4, 16, 32
+IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cq") / "m"
+    save_tiny("qwen3_moe", path)
+    return path
+
+
+def _layer(seed=0, weights=None, protected=frozenset()) -> MoELayer:
+    g = torch.Generator().manual_seed(seed)
+    w = weights or [torch.randn(E, W, H, generator=g), torch.randn(E, W, H, generator=g),
+                    torch.randn(E, H, W, generator=g) * 0.2]  # fmt: skip
+    spec = RouterSpec(num_experts=E, top_k=2, gating=Gating.SOFTMAX_TOPK, norm_topk=True)
+    return MoELayer(
+        0, spec, torch.randn(E, H, generator=g), ExpertBank(*(Dense(t) for t in w)), protected=protected
+    )
+
+
+def _inputs(n=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=g)
+    x[:, 3] *= 20  # an outlier channel, as MoE block inputs have
+    return x
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_kmeans_is_lossless_with_as_many_centroids_as_values_and_nearest_is_exact():
+    g = torch.Generator().manual_seed(0)
+    for k in (4, 8, 16):
+        vals = torch.randn(20, k, generator=g)
+        w = vals.gather(1, torch.randint(0, k, (20, 64), generator=g))
+        c, a = kmeans_1d(w, k)
+        assert torch.equal(c.gather(1, a), w)
+    v, c = torch.randn(30, 50, generator=g), torch.randn(30, 7, generator=g)
+    brute = (v[:, :, None] - c[:, None, :]).abs().argmin(-1)
+    assert torch.equal(c.gather(1, nearest(v, c)), c.gather(1, brute))
+    x = torch.randn(10, 40, generator=g)
+    assert torch.equal(kmeans_1d(x, 4, seed=3)[0], kmeans_1d(x, 4, seed=3)[0])  # seeded: reproducible
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codequant_is_lossless_when_rows_hold_at_most_2_to_the_bits_values(bits):
+    """Weights on a per-row grid of 2^bits fp16-exact values: the codebooks (and the packed file) are exact."""
+    g = torch.Generator().manual_seed(bits)
+    k = 1 << bits
+
+    def grid(*shape):  # each row draws from its own k values m/64, exactly representable in fp16
+        vals = torch.randint(-128, 128, (*shape[:-1], k), generator=g).float() / 64
+        return vals.gather(-1, torch.randint(0, k, shape, generator=g))
+
+    layer = _layer(weights=[grid(E, W, H), grid(E, W, H), grid(E, H, W)])
+    stats = LayerStats(0, {"io_sample_x": _inputs()})
+    new, info = codequant(layer, stats, CodequantConfig(bits=bits, rotation="none", finetune_steps=0))
+    for name in ("gate", "up", "down"):
+        lay = getattr(new.experts, name)
+        assert isinstance(lay, Codebook) and lay.bits == bits
+        assert torch.equal(lay.dense(), getattr(layer.experts, name).dense()), name
+        back = LAYOUTS["codebook"].from_tensors(lay.tensors(), lay.meta())
+        assert torch.equal(back.dense(), lay.dense())
+    x = _inputs(64, 9)
+    assert torch.equal(moe_forward(new, x), moe_forward(layer, x))
+    assert info["val_error_final"] == 0
+
+
+def test_rotation_leaves_the_full_precision_block_unchanged_and_protected_experts_bit_identical():
+    layer = _layer(3, protected=frozenset({2}))
+    x = _inputs(128, 4)
+    want = moe_forward(layer, x)
+    r_learned, _ = learn_rotation(x, steps=20, init=hadamard(H))
+    for r in (hadamard(H, 1), hadamard(H, 7), r_learned):
+        assert float((r @ r.T - torch.eye(H, dtype=r.dtype)).abs().max()) < 1e-12
+        bank = rotate_bank(layer.experts, r, frozenset({2}))
+        assert _rel(moe_forward(layer.replace(experts=bank), x), want) <= 1e-5
+        assert torch.equal(bank.gate.expert(2), layer.experts.gate.expert(2))
+        assert not torch.equal(bank.gate.expert(0), layer.experts.gate.expert(0))
+    h = hadamard(96, 0)  # 96 = 32·3: Hadamard ⊗ a random orthogonal 3×3
+    assert float((h @ h.T - torch.eye(96, dtype=h.dtype)).abs().max()) < 1e-12
+
+
+def test_learned_rotation_beats_hadamard_beats_nothing_on_outlier_inputs():
+    x = _inputs(512, 2)
+    r0 = hadamard(H, 0)
+    r, losses = learn_rotation(x, steps=150, lr=2e-3, init=r0)
+    none, had, learned = quant_error(x, 4), quant_error(x @ r0.float(), 4), quant_error(x.double() @ r, 4)
+    assert learned < had < none, (none, had, learned)
+    assert losses[-1] < losses[0]
+
+
+def test_finetuning_lowers_the_block_error_and_the_reports_say_so():
+    layer = _layer(5)
+    stats = LayerStats(0, {"io_sample_x": _inputs(256, 6)})
+    base = codequant(layer, stats, CodequantConfig(bits=2, rotation="none", finetune_steps=0))[1]
+    tuned = codequant(layer, stats, CodequantConfig(bits=2, rotation="none", finetune_steps=30))[1]
+    assert base["val_error_final"] == base["val_error_kmeans"] == tuned["val_error_kmeans"]
+    assert tuned["val_error_final"] < 0.95 * tuned["val_error_kmeans"], tuned
+    assert tuned["best_step"] > 0 and tuned["router_kl"] == 0.0  # full-precision router, same inputs
+
+
+def test_activation_quantisation_is_stored_and_changes_only_the_rotated_inputs():
+    layer = _layer(6, protected=frozenset({1}))
+    stats = LayerStats(0, {"io_sample_x": _inputs(256, 7)})
+    new, _ = codequant(
+        layer, stats, CodequantConfig(bits=4, rotation="hadamard", eval_act_bits=4, finetune_steps=0)
+    )
+    assert new.experts.act_bits == 4 and new.experts.unrotated == frozenset({1})
+    x = _inputs(64, 8)
+    without = new.replace(experts=dataclasses.replace(new.experts, act_bits=None))
+    assert not torch.equal(moe_forward(new, x), moe_forward(without, x))
+    for name in ("gate", "up", "down"):  # the protected expert is stored exactly, unrotated
+        assert torch.equal(getattr(new.experts, name).expert(1), getattr(layer.experts, name).expert(1))
+
+
+def _reference_logits(original, ckpt_dir, ids):
+    ckpt = mc.open_checkpoint(ckpt_dir)
+    model = AutoModelForCausalLM.from_pretrained(original).eval()
+    for i in ckpt.moe_layer_indices:
+        model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_end_to_end_packed_bytes_quantizer_load_and_reference(tiny_qwen, tmp_path):
+    out = tmp_path / "out"
+    mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
+              "steps": [{"protect_super_experts": {}}, {"codequant": {"bits": 3, "eval_act_bits": 4,
+                                                                       "finetune_steps": 5}}]},
+             progress=False)  # fmt: skip
+    rep = json.loads((out / "steps" / "02-codequant" / "report.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    desc = cfg["moecompress"]["layers"]["0"]
+    assert desc["experts"]["gate"]["kind"] == "codebook" and desc["act_bits"] == 4 and desc["rotation"]
+    gate = desc["experts"]["gate"]
+    e, i, h = gate["shape"]
+    quantised = gate["tensor_shapes"]["codes"][0]
+    assert gate["tensor_shapes"]["codes"] == [quantised, i, h * 3 // 8]  # 3 bits per weight, packed
+    assert (
+        gate["tensor_shapes"]["centroids"] == [quantised, i, 1, 8]
+        and gate["dtypes"]["centroids"] == "float16"
+    )
+    layer = mc.open_checkpoint(out).read_layer(0)
+    n_exact = e - quantised
+    want = quantised * (2 * i * h + h * i) * 3 / 8  # codes
+    want += quantised * (2 * i + h) * 8 * 2  # fp16 centroids, one codebook per row
+    want += n_exact * 3 * i * h * 4 + e * 8 * 3 + h * h * 4  # exact fp32 experts, int64 members, rotation
+    assert layer.experts.nbytes() == want
+    assert rep["layers"][0]["info"]["bytes_after"] == want
+    with torch.no_grad():
+        got = mc.load(out)(IDS).logits
+    torch.testing.assert_close(got, _reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_protect_heapr_uniform_codequant_chain_loads_and_generates(tiny_qwen, tmp_path):
+    out = tmp_path / "chain"
+    mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
+              "steps": [{"protect_super_experts": {}}, {"heapr": {"ratio": 0.25, "layout": "uniform"}},
+                        {"codequant": {"bits": 4, "finetune_steps": 3, "rotation_steps": 10}}]},
+             progress=False)  # fmt: skip
+    model = mc.load(out)
+    gen = model.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=5, do_sample=False)
+    assert gen.shape == (1, 8)
+    layer = mc.open_checkpoint(out).read_layer(0)
+    assert layer.experts.width == 24 and isinstance(layer.experts.down, Codebook)  # 32 -> 24 neurons
+
+
+def test_errors_name_the_field_and_the_fix(tiny_qwen, tmp_path):
+    rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "calibration": CAL}
+    with pytest.raises(PassError, match="group=24 does not divide"):
+        mc.apply({**rec, "steps": [{"codequant": {"group": 24}}]}, dry_run=True)
+    pruned = tmp_path / "p"
+    mc.apply({**rec, "output": str(pruned), "steps": [{"neuron_prune": {"ratio": 0.25, "method": "magnitude"}}]},
+             progress=False)  # fmt: skip
+    with pytest.raises(PassError, match=r"codequant needs dense experts.*layout: uniform"):
+        mc.apply({**rec, "model": str(pruned), "steps": [{"codequant": {}}]}, dry_run=True)
+    with pytest.raises(Exception, match="fuse"):
+        CodequantConfig(fuse="model")
+    assert not (tmp_path / "o").exists()
