@@ -2,11 +2,14 @@
 model for each method at each parameter budget (pruning by default; decomposition with ``--methods``).
 
     python benchmarks/quality.py --methods tdmoe-input tdmoe-output tdmoe-none svd-input --ratios 0.2 0.4 0.6
+    python benchmarks/quality.py --methods codequant-learned codequant-none rtn-g128 --bits 4 3 2 --sample-tokens 2048
     python benchmarks/quality.py [--shared ../shared] [--models ref-qwen3moe ref-mixtral ref-deepseekv3]
         [--ratios 0.25 0.5] [--methods heapr-global heapr-layer expert-frequency expert-reap expert-random
         neuron-magnitude neuron-wanda] [--samples 64] [--cal-source SRC] [--seq-len 256] [--batch-size 8]
         [--eval-tokens 16384] [--work DIR] [--json PATH]
 
+Quantisation methods (``QUANT``) take their parameter from ``--bits`` instead of ``--ratios``; their
+rows report the stored bytes per routed-expert parameter (``summary.routed_bytes_per_param``).
 For each model, ratio and method (``METHODS``: one recipe step, the ratio filled in) ``mc.apply`` runs
 the step and ``mc.evaluate`` compares the result with the base model on the held-out split (last 2 %)
 of every corpus file, as in RESULTS.md's reference evaluation. Every run of a model shares one
@@ -48,7 +51,25 @@ METHODS = {
     "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
     "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
     "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},
+    "namex-remap": lambda r: {"namex": {"ratio": r, "router": "remap"}},
+    "namex-collapse": lambda r: {"namex": {"ratio": r, "router": "collapse"}},
+    "namex-remap-refine": lambda r: {"namex": {"ratio": r, "router": "remap", "refine_steps": 10}},
+    "merge-average": lambda r: {"merge_experts": {"ratio": r, "method": "average", "router": "remap"}},
+    "merge-frequency": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "router": "remap"}},
 }
+QUANT = {  # one parameter: bits
+    "codequant-learned": lambda b: {"codequant": {"bits": b, "rotation": "learned"}},
+    "codequant-hadamard": lambda b: {"codequant": {"bits": b, "rotation": "hadamard"}},
+    "codequant-none": lambda b: {"codequant": {"bits": b, "rotation": "none"}},
+    "codequant-noft": lambda b: {"codequant": {"bits": b, "rotation": "learned", "finetune_steps": 0}},
+    "codequant-learned-a4": lambda b: {"codequant": {"bits": b, "rotation": "learned", "eval_act_bits": 4}},
+    "codequant-hadamard-a4": lambda b: {"codequant": {"bits": b, "rotation": "hadamard", "eval_act_bits": 4}},
+    "codequant-none-a4": lambda b: {"codequant": {"bits": b, "rotation": "none", "eval_act_bits": 4}},
+    "rtn-g64": lambda b: {"rtn": {"bits": b, "group_size": 64}},
+    "rtn-g128": lambda b: {"rtn": {"bits": b, "group_size": 128}},
+    "rtn-g32": lambda b: {"rtn": {"bits": b, "group_size": 32}},
+}
+METHODS.update(QUANT)
 PRUNING = ["heapr-global", "heapr-layer", "expert-frequency", "expert-reap", "expert-random", "neuron-magnitude",
            "neuron-wanda"]  # fmt: skip
 
@@ -57,7 +78,7 @@ def removed(step: dict) -> tuple[float, float]:
     """(routed-expert fraction removed, from the pass's summary; whole-model fraction removed, from the
     step report's ``model_params_before/after``)."""
     whole = 1 - step["model_params_after"] / step["model_params_before"]
-    return float(step["summary"]["routed_fraction_removed"]), whole
+    return float(step["summary"].get("routed_fraction_removed", 0.0)), whole
 
 
 def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> dict:
@@ -88,6 +109,7 @@ def main() -> None:
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5])
+    ap.add_argument("--bits", nargs="+", type=int, default=[4, 3, 2], help="grid of the quantisation methods")
     ap.add_argument("--methods", nargs="+", default=PRUNING, choices=list(METHODS))
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument(
@@ -95,6 +117,7 @@ def main() -> None:
         "e.g. builtin, to calibrate on text unlike the evaluation text"
     )  # fmt: skip
     ap.add_argument("--seq-len", type=int, default=256, help="calibration and evaluation window")
+    ap.add_argument("--sample-tokens", type=int, default=512, help="calibration.sample_tokens (io_sample size)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
@@ -109,7 +132,7 @@ def main() -> None:
     have = set(available_passes())
     methods = []
     for label in args.methods:
-        name = next(iter(METHODS[label](0.5)))
+        name = next(iter(METHODS[label](4 if label in QUANT else 0.5)))
         if name in have:
             methods.append(label)
         else:
@@ -118,38 +141,43 @@ def main() -> None:
     for name in args.models:
         model = data / "models" / name
         cal = {"source": args.cal_source or "file:" + ",".join(corpus), "samples": args.samples, "seq_len": args.seq_len,
-               "batch_size": args.batch_size, "cache_dir": str(work / "cache")}  # fmt: skip
+               "batch_size": args.batch_size, "cache_dir": str(work / "cache"),
+               "sample_tokens": args.sample_tokens}  # fmt: skip
         t0 = time.perf_counter()
         base_ppl[name] = mc.evaluate(model, **ev)["perplexity"]
         print(f"{name}: base perplexity {base_ppl[name]:.2f} ({time.perf_counter() - t0:.1f} s)", flush=True)
         base = mc.load(model)  # `against` of every evaluation, loaded once
-        for r in args.ratios:
-            for label in methods:
-                step = METHODS[label](r)
-                try:
-                    row = run_one(model, work / f"{name}-{label}-{r:g}", cal, step, ev, base)
-                except Exception as err:  # a pass under development must not stop the grid
-                    print(f"note: {name} {label} ratio {r:g} failed: {type(err).__name__}: {err}", flush=True)
-                    row = {"error": str(err)}
-                rows.append({"model": name, "ratio": r, "method": label, "step": step, **row})
-                if "error" not in row:
-                    print(f"  {label} {r:g}: ppl {row['perplexity']:.2f}, {row['wall_s']:.1f} s", flush=True)
+        grid = [(r, label) for r in args.ratios for label in methods if label not in QUANT]
+        grid += [(b, label) for b in args.bits for label in methods if label in QUANT]
+        for r, label in grid:
+            step = METHODS[label](r)
+            try:
+                row = run_one(model, work / f"{name}-{label}-{r:g}", cal, step, ev, base)
+            except Exception as err:  # a pass under development must not stop the grid
+                print(f"note: {name} {label} ratio {r:g} failed: {type(err).__name__}: {err}", flush=True)
+                row = {"error": str(err)}
+            rows.append({"model": name, "ratio": r, "method": label, "step": step, **row})
+            if "error" not in row:
+                print(f"  {label} {r:g}: ppl {row['perplexity']:.2f}, {row['wall_s']:.1f} s", flush=True)
     print("\n| model | base perplexity |\n|---|---:|")
     for name, p in base_ppl.items():
         print(f"| {name} | {p:.2f} |")
     print(
         "\n| model | ratio | method | perplexity | KL to base | top-1 agreement | routed-expert params removed"
-        " | whole-model params removed | wall s | cal s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+        " | whole-model params removed | routed bytes/param | wall s | cal s |"
+        "\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for x in sorted(rows, key=lambda x: (args.models.index(x["model"]), x["ratio"])):
         if "error" in x:
-            print(f"| {x['model']} | {x['ratio']:g} | {x['method']} | error: {x['error'][:80]} |" + " |" * 6)
+            print(f"| {x['model']} | {x['ratio']:g} | {x['method']} | error: {x['error'][:80]} |" + " |" * 7)
             continue
         cal_s = "cached" if x["calibration_cached"] else f"{x['calibration_s'] or 0:.1f}"
+        b = (x.get("summary") or {}).get("routed_bytes_per_param")
+        bpp = "" if b is None else f"{b:.3f}"
         print(
             f"| {x['model']} | {x['ratio']:g} | {x['method']} | {x['perplexity']:.2f} | {x['kl']:.4f} | "
             f"{x['top1_agreement']:.3f} | {x['routed_fraction_removed']:.1%} | "
-            f"{x['whole_model_fraction_removed']:.1%} | {x['wall_s']:.1f} | {cal_s} |"
+            f"{x['whole_model_fraction_removed']:.1%} | {bpp} | {x['wall_s']:.1f} | {cal_s} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"base_perplexity": base_ppl, "args": vars(args), "rows": rows},

@@ -78,6 +78,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from moecompress.io.compressed_tensors import export
+
+    out = export(
+        args.model,
+        args.output,
+        scale_dtype=args.scale_dtype,
+        quantize_protected=args.quantize_protected,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(out)
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -179,6 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     rw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     rw.set_defaults(func=_cmd_rewrite)
+
+    ex = sub.add_parser(
+        "export", help="convert an rtn output (symmetric, 4/8 bits) into a compressed-tensors checkpoint"
+    )
+    ex.add_argument("model", help="moecompress checkpoint whose experts are all rtn-quantised")
+    ex.add_argument("output", help="output directory (must not exist unless --overwrite)")
+    ex.add_argument(
+        "--format", choices=["compressed-tensors"], default="compressed-tensors", help="target format"
+    )
+    ex.add_argument(
+        "--scale-dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="dtype of weight_scale (float32: loaders dequantise exactly)",
+    )
+    ex.add_argument(
+        "--quantize-protected", action="store_true", help="quantise protected (dense) experts too"
+    )
+    ex.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="shard size limit, e.g. 5GB or 500MiB"
+    )
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ex.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ex.set_defaults(func=_cmd_export)
 
     ev = sub.add_parser("eval", help="perplexity, tokens/s and KL / top-1 vs a base on held-out text (JSON)")
     ev.add_argument("model", help="checkpoint directory or Hub repo id (with tokenizer files)")

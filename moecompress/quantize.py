@@ -22,8 +22,9 @@ from moecompress.rotation import fake_quant_tokens
 
 def rotate_bank(bank: ExpertBank, rotation: torch.Tensor, exempt: frozenset[int]) -> ExpertBank:
     """``bank`` reading ``x @ rotation``: gate/up of every expert but ``exempt`` stored as ``W @ rotation``
-    (computed in float64), the function unchanged in exact arithmetic; ``exempt`` experts keep their
-    weights bit-identical and read the unrotated input."""
+    (computed in float64), the function unchanged in exact arithmetic. ``rotation`` is kept in float32
+    whatever the model dtype (bf16 would break the exactness); ``exempt`` experts keep their weights
+    bit-identical and read the unrotated input."""
     r = rotation.double()
     new = {}
     for name in ("gate", "up"):
@@ -33,7 +34,7 @@ def rotate_bank(bank: ExpertBank, rotation: torch.Tensor, exempt: frozenset[int]
         if len(keep):
             rot[keep] = w[keep]
         new[name] = Dense(rot)
-    return dataclasses.replace(bank, **new, rotation=rotation.to(bank.gate.dtype), unrotated=exempt)
+    return dataclasses.replace(bank, **new, rotation=rotation.to(torch.float32), unrotated=exempt)
 
 
 def decode(cents: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,7 @@ def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
             up=b.up.cast(dtype),
             down=b.down.cast(dtype),
             biases={k: v.to(dtype) for k, v in b.biases.items()},
-            rotation=None if b.rotation is None else b.rotation.to(dtype),
-        )
+        )  # a rotation stays float32: rounding it would break the rotated weights' exactness
 
     def t(x):
         return None if x is None else x.to(dtype) if x.is_floating_point() else x

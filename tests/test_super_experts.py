@@ -20,7 +20,12 @@ PLANT_LAYER, PLANT_EXPERT, PLANT_CHANNEL = 1, 3, 7
 
 # A valid configuration for every registered pass whose defaults are not runnable. A new pass without
 # runnable defaults must add one here, so the protection contract below covers it.
-SAMPLE_CONFIGS = {"ablate_experts": {"experts": [{"layer": 0, "experts": [5]}]}}
+SAMPLE_CONFIGS = {
+    "ablate_experts": {"experts": [{"layer": 0, "experts": [5]}]},
+    "rtn": {"bits": 4, "group_size": 16},  # the tiny mixtral has 64 and 80 input channels
+    "merge_experts": {"ratio": 0.5},
+    "namex": {"ratio": 0.5, "router": "collapse"},
+}
 
 
 class _BrokenCfg(PassConfig):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import moecompress.lowrank  # noqa: F401  (registers the 'lowrank' layout kind for loading)
+from moecompress.codebook import Codebook  # noqa: F401  (registers the 'codebook' layout kind for loading)
 from moecompress.errors import CheckpointError, LayoutError
 from moecompress.ir import Act, ExpertBank, MoELayer
 from moecompress.layouts import LAYOUTS, Dense

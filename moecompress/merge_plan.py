@@ -1,0 +1,364 @@
+"""What the expert-merging passes (``namex``, ``merge_experts``) share: options, checks, grouping, the
+calibration tokens, router handling and the layer they write. The passes differ only in how a group's
+members become one expert.
+
+**Count.** ``ratio`` (fraction of routed experts removed: ``round(ratio · E)``, halves up, as
+``expert_prune``) or ``target_experts`` (groups kept per layer) — exactly one. Protected (super)
+experts are singleton groups and count toward the groups kept.
+
+**Tokens.** ``io_sample`` holds the first ``calibration.sample_tokens`` MoE inputs. Its first half
+(*fit*) gives the ``output`` / ``router`` similarity features and the refinement targets; the second
+half (*held-back*) chooses ``γ`` (``namex``) and gives the ``rel_error_held`` of the report. (With a
+single token both halves are that token.) The executor's own ``holdout`` tokens, which no choice sees,
+give the step report's ``rel_error`` row.
+
+**Grouping** (HC-SMoE): features per expert — ``output``: the mean output of each expert over *all* fit
+tokens (shared inputs, not only the tokens routed to it); ``router``: the expert's router-logit column
+over the fit tokens, centred per token (softmax ignores a shared offset; MC-SMoE's similarity);
+``weight``: the flattened gate/up/down weights. Average-linkage clustering with ``metric`` distance
+(:func:`~moecompress.merging.average_linkage`). The base of a group is its most-used member
+(``expert_counts``; ties: lowest id); with ``align`` every other member's neurons are permuted to the
+base's first (weight matching).
+
+**Router** (physical experts = groups, ordered by their lowest member id):
+
+- ``remap`` (default, exact routing): every router row stays; ``expert_map[logical] = group``; the
+  routing weights of logical experts sharing a physical expert add up. Written in the moecompress
+  format: the merged experts are stored once (``<experts>.expert_map`` int64 ``[E]``), loaded by the
+  moecompress quantizer.
+- ``collapse`` (stock checkpoint with ``E'`` experts): one router row per group — ``collapse_row: base``
+  (default) keeps the row (and router-bias / selection-bias entry) of the group's base, the member whose
+  routing it mostly inherits; ``mean`` averages the members' rows and entries. Needs ``E' ≥ top_k`` and
+  the same ``E'`` in every layer; with group-limited routing (DeepSeek ``n_group``) every routing group
+  is clustered on its own into ``E'/n_group`` groups so the groups stay equal and contiguous. The step
+  reports ``kept_experts`` (the base of each new expert) for the protection contract.
+
+Merging needs dense, unpruned, unmerged experts: merge before pruning, decomposition or quantisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from moecompress.errors import PassError
+from moecompress.ir import MoELayer
+from moecompress.layouts import Dense
+from moecompress.merging import Params, align_to, average_linkage, expert_params
+from moecompress.reference import expert_forward, moe_forward, route, router_logits
+from moecompress.registry import LayerStats, PassConfig
+from moecompress.report import relative_error
+
+NEEDS = {"expert_counts", "io_sample"}
+PROJ = ("gate", "up", "down")
+
+
+class MergeOptions(PassConfig):
+    """Options shared by the merging passes."""
+
+    ratio: float | None = Field(None, ge=0, lt=1, description="fraction of routed experts removed per layer")
+    target_experts: int | None = Field(None, ge=1, description="groups (physical experts) kept per layer")
+    similarity: Literal["output", "router", "weight"] = Field(
+        "output", description="grouping feature: mean expert output, router-logit column, or weights"
+    )
+    metric: Literal["cosine", "euclidean"] = Field("cosine", description="distance between features")
+    align: bool = Field(True, description="permute members' neurons to the base's before merging")
+    router: Literal["remap", "collapse"] = Field(
+        "remap", description="keep every router row + expert map, or one row per group (stock)"
+    )
+    collapse_row: Literal["base", "mean"] = Field(
+        "base", description="router: collapse — the base member's row, or the mean of the members' rows"
+    )
+
+    @model_validator(mode="after")
+    def _one_count(self):
+        if (self.ratio is None) == (self.target_experts is None):
+            raise ValueError(
+                "set exactly one of ratio (fraction of routed experts removed) or target_experts "
+                "(experts kept per layer)"
+            )
+        return self
+
+
+def _what(cfg: MergeOptions) -> str:
+    return f"ratio={cfg.ratio}" if cfg.ratio is not None else f"target_experts={cfg.target_experts}"
+
+
+def target_groups(num_experts: int, cfg: MergeOptions) -> int:
+    if cfg.target_experts is not None:
+        return cfg.target_experts
+    return num_experts - math.floor(cfg.ratio * num_experts + 0.5 + 1e-9)  # type: ignore[operator]
+
+
+def blocks(layer: MoELayer, cfg: MergeOptions) -> list[range]:
+    """Experts clustered together: every routing group for ``collapse`` with ``n_group``, else all."""
+    e, ng = layer.router.num_experts, layer.router.n_group
+    if cfg.router == "collapse" and ng:
+        m = e // ng
+        return [range(g * m, (g + 1) * m) for g in range(ng)]
+    return [range(e)]
+
+
+def check_mergeable(layer: MoELayer, cfg: MergeOptions) -> int:
+    """Dry-run checks on shapes (``meta`` tensors allowed); returns the number of groups."""
+    bank, spec = layer.experts, layer.router
+    if layer.expert_map is not None:
+        raise PassError("the experts are already merged (expert_map); merge once, with the combined ratio")
+    if getattr(bank, "rotation", None) is not None or getattr(bank, "act_bits", None) is not None:
+        raise PassError("the experts are rotated/quantised; merge before codequant or any quantisation")
+    pruned = bank.widths is not None and (
+        bank.widths.device.type == "meta" or bool((bank.widths < bank.width).any())
+    )
+    for name in PROJ:
+        lay = getattr(bank, name)
+        if not isinstance(lay, Dense) or pruned:
+            raise PassError(
+                f"merging needs dense, unpruned experts, got layout {lay.kind!r} ({name}); merge before "
+                "pruning, decomposition or quantisation"
+            )
+    e, t = spec.num_experts, target_groups(spec.num_experts, cfg)
+    if t > e or t < 1:
+        raise PassError(f"{_what(cfg)} keeps {t} of the layer's {e} experts; keep between 1 and {e}")
+    if cfg.router == "collapse":
+        k = spec.top_k
+        if t < k:
+            raise PassError(
+                f"{_what(cfg)} keeps {t} experts, fewer than top_k={k}: router: collapse keeps one router row "
+                f"per group; keep at least {k} (ratio <= {(e - k) / e:.4g}) or use router: remap"
+            )
+        if spec.n_group:
+            if t % spec.n_group:
+                raise PassError(
+                    f"{_what(cfg)} keeps {t} experts, not a multiple of n_group={spec.n_group}: router: collapse "
+                    "keeps the routing groups equal; choose target_experts as a multiple, or use router: remap"
+                )
+            per, tg = t // spec.n_group, spec.topk_group or spec.n_group
+            if per * tg < k:
+                raise PassError(
+                    f"{_what(cfg)} keeps {per} experts per routing group; the topk_group={tg} best groups then "
+                    f"reach {per * tg} < top_k={k}; keep more experts or use router: remap"
+                )
+    bl = blocks(layer, cfg)
+    for b in bl:
+        want = t // len(bl)
+        prot = [p for p in layer.protected if p in b]
+        if want < len(prot) + (1 if len(b) > len(prot) else 0):
+            raise PassError(
+                f"{_what(cfg)} keeps {want} groups for experts {b.start}-{b.stop - 1} but {len(prot)} of them "
+                f"are protected singletons ({sorted(prot)}) and the others need a group too; keep more "
+                "experts or protect fewer"
+            )
+    return t
+
+
+@dataclass
+class MergePlan:
+    """One layer's groups and the tokens the merge is fitted and judged on."""
+
+    layer: MoELayer
+    cfg: MergeOptions
+    groups: list[list[int]]
+    bases: list[int]
+    counts: torch.Tensor
+    x_fit: torch.Tensor
+    x_held: torch.Tensor
+    moved: int = 0
+    _y_held: torch.Tensor | None = None
+    _routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def members(self, g: int) -> list[Params]:
+        """Float32 parameters of group ``g``: the base first, then the others (aligned if ``align``)."""
+        bank = self.layer.experts
+        b = self.bases[g]
+        base = expert_params(bank, b)
+        out = [base]
+        for e in self.groups[g]:
+            if e != b:
+                p = expert_params(bank, e)
+                if self.cfg.align:
+                    p, n = align_to(base, p)
+                    self.moved += n
+                out.append(p)
+        return out
+
+    def weights(self, g: int) -> torch.Tensor:
+        """Usage frequencies of group ``g``'s members (base first), summing to 1 (uniform if unused)."""
+        order = [self.bases[g], *(e for e in self.groups[g] if e != self.bases[g])]
+        c = self.counts[order].double()
+        return c / c.sum() if float(c.sum()) > 0 else torch.full_like(c, 1 / len(c))
+
+    def group_data(self, g: int, part: Literal["fit", "held"]) -> tuple[torch.Tensor, ...]:
+        """Tokens routed to any member of group ``g``: ``(x [n, H], s [n], target [n, H])`` with ``s`` the
+        summed routing weight of the members and ``target = Σ_member w · E_member(x)`` (the group's share
+        of the original block output); the merged expert's share is ``s · E_merged(x)``."""
+        x = self.x_fit if part == "fit" else self.x_held
+        if part not in self._routes:
+            self._routes[part] = route(self.layer, x)
+        ids, w = self._routes[part]
+        mem = torch.tensor(self.groups[g])
+        mask = torch.isin(ids, mem)
+        tok = mask.any(1).nonzero().squeeze(1)
+        pos = torch.full((x.shape[0],), -1, dtype=torch.long)
+        pos[tok] = torch.arange(len(tok))
+        target = torch.zeros(len(tok), x.shape[1])
+        for e in self.groups[g]:
+            t, k = torch.where(ids == e)
+            if len(t):
+                y = expert_forward(self.layer.experts, e, x[t]).float()
+                target.index_add_(0, pos[t], y * w[t, k, None].float())
+        return x[tok].float(), (w * mask).sum(1)[tok].float(), target
+
+    def held_error(self, new: MoELayer) -> float:
+        """Relative error ``‖MoE_new(x) − MoE(x)‖ / ‖MoE(x)‖`` of a layer on the held-back tokens."""
+        if self._y_held is None:
+            self._y_held = moe_forward(self.layer, self.x_held)
+        return relative_error(self._y_held, moe_forward(new, self.x_held))
+
+    def build(self, merged: dict[int, Params]) -> MoELayer:
+        """The layer with one physical expert per group: ``merged[g]`` for merged groups, the original
+        tensors (bit-identical) for singletons; router per ``cfg.router``."""
+        layer, bank, groups = self.layer, self.layer.experts, self.groups
+        e = layer.router.num_experts
+        if len(groups) == e:
+            return layer
+
+        def stack(key: str, orig: torch.Tensor) -> torch.Tensor:
+            """``orig`` ``[E, ...]`` per group: the merged value, or the singleton's own (bit-identical)."""
+            return torch.stack(
+                [merged[g][key].to(orig.dtype) if g in merged else orig[m[0]] for g, m in enumerate(groups)]
+            )
+
+        lays = {name: Dense(stack(name, getattr(bank, name).dense())) for name in PROJ}
+        biases = {k: stack(f"bias.{k}", b) for k, b in bank.biases.items()}
+        new_bank = dataclasses.replace(bank, **lays, biases=biases, widths=None)
+        if self.cfg.router == "remap":
+            emap = torch.empty(e, dtype=torch.int64)
+            for g, m in enumerate(groups):
+                emap[m] = g
+            return layer.replace(experts=new_bank, expert_map=emap)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if self.cfg.collapse_row == "base":
+                return torch.stack([t[b] for b in self.bases])
+            return torch.stack([t[m[0]] if len(m) == 1 else t[m].float().mean(0).to(t.dtype) for m in groups])
+
+        new_id = {m[0]: g for g, m in enumerate(groups) if len(m) == 1}
+        return layer.replace(
+            router=dataclasses.replace(layer.router, num_experts=len(groups)),
+            router_weight=rows(layer.router_weight),
+            router_bias=rows(layer.router_bias),
+            score_bias=rows(layer.score_bias),
+            experts=new_bank,
+            protected=frozenset(new_id[p] for p in layer.protected),
+        )
+
+    def info(self, new: MoELayer) -> dict:
+        """The report entry every merging pass shares."""
+        layer = self.layer
+        out = {
+            "groups": self.groups,
+            "bases": self.bases,
+            "router": self.cfg.router,
+            "num_experts_before": layer.router.num_experts,
+            "num_experts_after": new.experts.num_experts,
+            "routed_params_before": layer.experts.num_params(),
+            "routed_params_after": new.experts.num_params(),
+            "bytes_before": layer.nbytes(),
+            "bytes_after": new.nbytes(),
+            "fit_tokens": int(self.x_fit.shape[0]),
+            "held_tokens": int(self.x_held.shape[0]),
+            "neurons_moved": self.moved,
+            "rel_error_held": self.held_error(new) if new is not layer else 0.0,
+        }
+        if self.cfg.router == "collapse" and new is not layer:
+            out["kept_experts"] = self.bases  # protection.RENUMBER_KEY: new id g was old id bases[g]
+        return out
+
+
+def _features(layer: MoELayer, x: torch.Tensor, kind: str) -> torch.Tensor:
+    bank = layer.experts
+    if kind == "output":
+        return torch.stack([expert_forward(bank, e, x).float().mean(0) for e in range(bank.num_experts)])
+    if kind == "router":
+        logits = router_logits(layer, x)
+        return (logits - logits.mean(1, keepdim=True)).T.contiguous()
+    return torch.cat([getattr(bank, p).dense().float().flatten(1) for p in PROJ], dim=1)
+
+
+def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePlan:
+    """Checks, splits ``io_sample`` into fit / held-back tokens and groups the experts."""
+    t = check_mergeable(layer, cfg)
+    e = layer.router.num_experts
+    counts = stats["expert_counts"].double().flatten()
+    if counts.numel() != e:
+        raise PassError(
+            f"statistic 'expert_counts' covers {counts.numel()} experts but the layer has {e}: statistics "
+            "describe the input checkpoint, so merge before any step that removes experts"
+        )
+    x = stats["io_sample_x"].float()
+    half = (x.shape[0] + 1) // 2
+    x_fit, x_held = (x, x) if x.shape[0] < 2 else (x[:half], x[half:])
+    feats = _features(layer, x_fit, cfg.similarity) if t < e else torch.zeros(e, 1)
+    groups: list[list[int]] = []
+    bl = blocks(layer, cfg)
+    for b in bl:
+        local = average_linkage(
+            feats[b.start : b.stop], t // len(bl), metric=cfg.metric,
+            singletons=[p - b.start for p in layer.protected if p in b],
+        )  # fmt: skip
+        groups += [[b.start + i for i in grp] for grp in local]
+    groups.sort(key=lambda g: g[0])
+    bases = [max(g, key=lambda m: (float(counts[m]), -m)) for g in groups]
+    return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held)
+
+
+def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:
+    """Step summary shared by the merging passes (``routed_fraction_removed`` from the banks' parameters)."""
+    layers = sorted(infos)
+    before = sum(infos[i]["num_experts_before"] for i in layers)
+    after = sum(infos[i]["num_experts_after"] for i in layers)
+    pb = sum(infos[i]["routed_params_before"] for i in layers)
+    pa = sum(infos[i]["routed_params_after"] for i in layers)
+    sizes: dict[str, int] = {}
+    for i in layers:
+        for grp in infos[i]["groups"]:
+            sizes[str(len(grp))] = sizes.get(str(len(grp)), 0) + 1
+    groups = []
+    for i in layers:
+        row = [0.0] * infos[i]["num_experts_before"]
+        for g, members in enumerate(infos[i]["groups"]):
+            for m in members:
+                row[m] = g / max(len(infos[i]["groups"]) - 1, 1)
+        groups.append(row)
+    errs = [infos[i]["rel_error_held"] for i in layers]
+    return {
+        "summary": {
+            "count": _what(cfg),
+            "router": cfg.router,
+            "similarity": cfg.similarity,
+            "align": cfg.align,
+            "experts_before": before,
+            "experts_after": after,
+            "experts_per_layer": infos[layers[0]]["num_experts_after"] if layers else None,
+            "fraction_removed": 1 - after / before if before else 0.0,
+            "routed_params_before": pb,
+            "routed_params_after": pa,
+            "routed_fraction_removed": 1 - pa / pb if pb else 0.0,
+            "group_size_histogram": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
+            "mean_rel_error_held": sum(errs) / len(errs) if errs else 0.0,
+            "bytes_before": sum(infos[i]["bytes_before"] for i in layers),
+            "bytes_after": sum(infos[i]["bytes_after"] for i in layers),
+        },
+        "warnings": [],
+        "plots": [
+            {"file": "groups.png", "kind": "heatmap", "title": "group (physical expert) of each expert, scaled",
+             "data": groups, "xlabel": "expert (original id)", "ylabel": "MoE layer (order)"},
+        ] if layers else [],
+    }  # fmt: skip

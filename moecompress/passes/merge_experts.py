@@ -1,0 +1,62 @@
+"""``merge_experts``: merge each MoE layer's routed experts into fewer by a fixed weighted average — the
+baselines of ``namex`` on the same grouping.
+
+Groups, base, alignment and router handling are exactly ``namex``'s (:mod:`moecompress.merge_plan`), so a
+comparison isolates the weighting. A group ``C`` with base ``b`` becomes
+``E_b + Σ_{i≠b} w_i (E_i − E_b) = Σ_i w_i E_i`` (written relative to the base so that identical members
+merge losslessly), with
+
+- ``method: average`` — ``w_i = 1/|C|`` (plain mean merging);
+- ``method: frequency`` (default) — ``w_i`` = share of the group's calibration tokens routed to member
+  ``i`` (``expert_counts``; uniform if none): M-SMoE/HC-SMoE usage-weighted merging. With ``align``
+  (default) this is MC-SMoE's merge step (weight matching, then frequency merging).
+
+Statistics: ``expert_counts``, ``io_sample`` (grouping features and the held-back error of the report).
+Cost: negligible beyond the grouping and the alignment.
+
+Example step::
+
+    steps:
+      - merge_experts: {ratio: 0.25, method: frequency, router: collapse}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from moecompress.ir import MoELayer
+from moecompress.merge_plan import NEEDS, MergeOptions, check_mergeable, plan_merge, summarize_merging
+from moecompress.merging import Params, combine, sub
+from moecompress.registry import LayerStats, register_pass
+
+
+class MergeExpertsConfig(MergeOptions):
+    method: Literal["average", "frequency"] = Field(
+        "frequency", description="member weights: uniform, or the members' shares of routed tokens"
+    )
+
+
+def _summarize(infos: dict[int, dict], cfg: MergeExpertsConfig) -> dict:
+    out = summarize_merging(infos, cfg)
+    out["summary"]["method"] = cfg.method
+    return out
+
+
+@register_pass("merge_experts", MergeExpertsConfig, needs=NEEDS, check=check_mergeable, summarize=_summarize)
+def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -> tuple[MoELayer, dict]:
+    """Merge experts into fewer by their mean or usage-weighted mean (HC-SMoE / M-SMoE baselines)."""
+    plan = plan_merge(layer, stats, cfg)
+    merged: dict[int, Params] = {}
+    weights = {}
+    for g, members in enumerate(plan.groups):
+        if len(members) < 2:
+            continue
+        params = plan.members(g)
+        w = plan.weights(g) if cfg.method == "frequency" else [1 / len(params)] * len(params)
+        w = [float(v) for v in w]
+        merged[g] = combine(params[0], [sub(p, params[0]) for p in params[1:]], w[1:])
+        weights[str(g)] = w  # base first
+    new = plan.build(merged)
+    return new, {**plan.info(new), "method": cfg.method, "weights": weights}

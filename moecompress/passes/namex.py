@@ -1,0 +1,205 @@
+"""``namex``: merge each MoE layer's routed experts into fewer experts with Nash-bargaining weights.
+
+Post-hoc adaptation (our design; METHODS.md §3.3) of NAMEx ("Expert Merging in Sparse Mixture of
+Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMoE layer. Per layer:
+
+1. **Groups**: HC-SMoE average-linkage clustering of the experts (:mod:`moecompress.merge_plan`:
+   ``similarity``, ``metric``; protected experts are singletons), base ``b`` = the most-used member;
+   with ``align`` (default) the other members' neurons are permuted to the base's (weight matching).
+2. **Bargaining** per group with ``|C| ≥ 2``: task vectors ``τ_i = E_i − E_b`` over the concatenated
+   gate/up/down weights (and biases) of the other members (members equal to the base are left out),
+   ``G = [τ_i]``; ``α > 0`` with ``(GᵀG)α = 1/α`` by damped Newton
+   (:func:`~moecompress.merging.nash_weights`; residual and iterations reported). A base that is a
+   non-negative combination of the members (their mean) makes this unsolvable: a clear error.
+3. **γ**: merged expert ``E_b + γ Σ α_i τ_i``, ``γ = r·γ₀`` with ``γ₀ = ‖Σ f_i τ_i‖ / ‖Σ α_i τ_i‖``
+   (``f`` = usage frequencies in the group, so ``r = 1`` moves as far as frequency-weighted merging;
+   ``r = 0`` keeps the dominant expert). ``r`` is chosen per group from ``gamma_grid`` by the error of
+   the group's share of the block output on the held-back ``io_sample`` tokens routed to any member,
+   ``Σ_t ‖s_t E_merged(x_t) − Σ_{i∈C} w_{t,i} E_i(x_t)‖²`` (``s_t`` the members' summed routing weight)
+   — the block error under the remapped router with the other groups exact (also for ``router:
+   collapse``, whose router is only chosen afterwards). Ties: the ``r`` closest to 1.
+4. **Refinement** (``refine_steps > 0``): gradient steps on each merged expert against the same target
+   on the *fit* tokens, heavy-ball momentum with a complex coefficient ``β = r·e^{iφ}`` (``momentum``,
+   ``phase`` in degrees): ``μ ← βμ − η·∇``, ``θ ← θ + Re(μ)``, the step normalised to ``η = lr·‖θ‖/‖∇‖``
+   (``lr`` is a relative step size). The best iterate by fit loss is kept. The same steps with real
+   momentum (``φ = 0``) run for comparison; both held-back layer errors are reported
+   (``rel_error_refined``, ``rel_error_refined_real``: the written layer, remap or collapse). The
+   configured (complex) result is kept when it lowers that error, else the unrefined merge
+   (``refined: false``).
+5. **Router**: ``remap`` (exact routing, expert map, moecompress format) or ``collapse`` (stock
+   checkpoint, one router row per group); see :mod:`moecompress.merge_plan`.
+
+Statistics: ``expert_counts``, ``io_sample`` (``calibration.sample_tokens`` MoE inputs; half fit,
+half held back). Cost: one Newton solve on a ``(|C|−1)²`` Gram per group, ``|gamma_grid|`` expert
+forwards per group, ``2·refine_steps`` forward+backward passes per group when refining, an
+``O(I³)`` assignment per aligned member.
+
+Example step::
+
+    steps:
+      - protect_super_experts: {}
+      - namex: {ratio: 0.25, router: remap}
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+
+import torch
+from pydantic import Field, field_validator
+
+from moecompress.errors import PassError
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.merge_plan import NEEDS, MergeOptions, check_mergeable, plan_merge, summarize_merging
+from moecompress.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
+from moecompress.registry import LayerStats, register_pass
+
+GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+
+
+class NamexConfig(MergeOptions):
+    gamma_grid: tuple[float, ...] = Field(GRID, min_length=1, description="candidates for γ/γ₀ (per group)")
+    refine_steps: int = Field(0, ge=0, description="gradient steps on each merged expert (0: none)")
+    lr: float = Field(0.01, gt=0, le=1, description="refinement step, relative to the weights' norm")
+    momentum: float = Field(0.8, ge=0, lt=1, description="|β| of the complex momentum")
+    phase: float = Field(15.0, ge=-180, le=180, description="arg β in degrees (0: real heavy-ball momentum)")
+
+    @field_validator("gamma_grid")
+    @classmethod
+    def _finite(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not math.isfinite(g) or g < 0 for g in v):
+            raise ValueError("gamma_grid values must be finite and >= 0")
+        return v
+
+
+def _group_error(bank: ExpertBank, p: Params, data: tuple[torch.Tensor, ...]) -> float:
+    x, s, target = data
+    if len(x) == 0:
+        return 0.0
+    with torch.no_grad():
+        err = (s[:, None] * params_forward(bank, p, x) - target).pow(2).sum()
+    return float(err / target.pow(2).sum().clamp_min(1e-30))
+
+
+def refine(
+    bank: ExpertBank, p0: Params, data: tuple[torch.Tensor, ...], steps: int, lr: float, beta: complex
+) -> tuple[Params, list[float]]:
+    """Heavy-ball steps with complex momentum ``beta`` on ``‖s·E_θ(x) − target‖² / ‖target‖²``; returns the
+    best iterate and the loss of every iterate."""
+    x, s, target = data
+    scale = float(target.pow(2).sum()) or 1.0
+    theta = {k: v.detach().clone().requires_grad_(True) for k, v in p0.items()}
+    mu = {k: torch.zeros(v.shape, dtype=torch.complex64) for k, v in p0.items()}
+    best, best_loss, losses = p0, math.inf, []
+    for j in range(steps + 1):
+        loss = (s[:, None] * params_forward(bank, theta, x) - target).pow(2).sum() / scale
+        losses.append(float(loss.detach()))
+        if losses[-1] < best_loss:
+            best_loss, best = losses[-1], {k: v.detach().clone() for k, v in theta.items()}
+        if j == steps:
+            break
+        grads = torch.autograd.grad(loss, list(theta.values()))
+        gn = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+        if gn == 0.0:
+            break
+        eta = lr * math.sqrt(sum(float(v.detach().pow(2).sum()) for v in theta.values())) / gn
+        with torch.no_grad():
+            for (k, v), g in zip(theta.items(), grads):
+                mu[k] = beta * mu[k] - eta * g
+                v += mu[k].real
+    return best, losses
+
+
+@register_pass(
+    "namex", NamexConfig, needs=NEEDS, check=check_mergeable, summarize=lambda i, c: _summarize(i, c)
+)
+def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELayer, dict]:
+    """Merge experts into fewer with Nash-bargaining weights (NAMEx, post hoc); remap or collapse the router."""
+    plan = plan_merge(layer, stats, cfg)
+    bank = layer.experts
+    merged: dict[int, Params] = {}
+    report: list[dict] = []
+    for g, members in enumerate(plan.groups):
+        if len(members) < 2:
+            continue
+        params = plan.members(g)
+        base, taus = params[0], [sub(m, params[0]) for m in params[1:]]
+        live = [i for i, t in enumerate(taus) if norm(t) > 0]
+        gram = torch.tensor([[dot(taus[i], taus[j]) for j in live] for i in live], dtype=torch.float64)
+        try:
+            a, residual, iters = nash_weights(gram.reshape(len(live), len(live)))
+        except PassError as err:
+            raise PassError(f"group {members} (base {plan.bases[g]}): {err}") from None
+        alpha = [0.0] * len(taus)
+        for i, v in zip(live, a.tolist()):
+            alpha[i] = v
+        f = plan.weights(g)[1:].tolist()
+        nash_dir, freq_dir = combine(_zero(base), taus, alpha), combine(_zero(base), taus, f)
+        n_nash = norm(nash_dir)
+        gamma0 = norm(freq_dir) / n_nash if n_nash > 0 else 0.0
+        held = plan.group_data(g, "held")
+        if len(held[0]) == 0:
+            held = plan.group_data(g, "fit")
+        errs = [_group_error(bank, combine(base, [nash_dir], [r * gamma0]), held) for r in cfg.gamma_grid]
+        r = min(zip(errs, (abs(r - 1) for r in cfg.gamma_grid), cfg.gamma_grid))[2]
+        merged[g] = combine(base, [nash_dir], [r * gamma0])
+        report.append({
+            "members": members, "base": plan.bases[g], "alpha": alpha, "frequencies": plan.weights(g).tolist(),
+            "solver_residual": residual, "solver_iterations": iters, "gamma0": gamma0, "gamma_rel": r,
+            "gamma": r * gamma0, "group_error_by_gamma": errs,
+        })  # fmt: skip
+    info: dict = {"merged_groups": report}
+    if cfg.refine_steps and merged:
+        merged = _refine_all(plan, merged, cfg, info)
+    new = plan.build(merged)
+    return new, {**plan.info(new), **info}
+
+
+def _zero(p: Params) -> Params:
+    return {k: torch.zeros_like(v) for k, v in p.items()}
+
+
+def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -> dict[int, Params]:
+    """Refine every merged expert with complex and with real momentum; keep the complex result when it
+    lowers the held-back layer error (see the module docstring)."""
+    bank = plan.layer.experts
+    beta = cfg.momentum * cmath.exp(1j * math.radians(cfg.phase))
+    runs = {"complex": beta, "real": complex(cfg.momentum)} if cfg.phase else {"complex": beta}
+    out: dict[str, dict[int, Params]] = {k: {} for k in runs}
+    losses: dict[str, dict[str, list[float]]] = {k: {} for k in runs}
+    for g, p in merged.items():
+        data = plan.group_data(g, "fit")
+        for name, b in runs.items():
+            if len(data[0]) == 0:
+                out[name][g] = p
+                continue
+            out[name][g], losses[name][str(g)] = refine(bank, p, data, cfg.refine_steps, cfg.lr, b)
+    before = plan.held_error(plan.build(merged))
+    after = {name: plan.held_error(plan.build(m)) for name, m in out.items()}
+    keep = after["complex"] < before
+    info.update(
+        rel_error_unrefined=before,
+        rel_error_refined=after["complex"],
+        rel_error_refined_real=after.get("real", after["complex"]),
+        refined=keep,
+        refine_fit_loss={name: {g: [v[0], v[-1]] for g, v in ls.items()} for name, ls in losses.items()},
+    )
+    return out["complex"] if keep else merged
+
+
+def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
+    out = summarize_merging(infos, cfg)
+    groups = [grp for i in sorted(infos) for grp in infos[i]["merged_groups"]]
+    s = out["summary"]
+    s["merged_groups"] = len(groups)
+    s["mean_gamma_rel"] = sum(x["gamma_rel"] for x in groups) / len(groups) if groups else None
+    s["gamma_rel_histogram"] = {str(r): sum(x["gamma_rel"] == r for x in groups) for r in cfg.gamma_grid}
+    s["max_solver_residual"] = max((x["solver_residual"] for x in groups), default=0.0)
+    s["max_solver_iterations"] = max((x["solver_iterations"] for x in groups), default=0)
+    if cfg.refine_steps:
+        rows = [infos[i] for i in sorted(infos) if "rel_error_unrefined" in infos[i]]
+        for key in ("rel_error_unrefined", "rel_error_refined", "rel_error_refined_real"):
+            s[f"mean_{key}"] = sum(r[key] for r in rows) / len(rows) if rows else None
+        s["layers_refined"] = sum(bool(r["refined"]) for r in rows)
+    return out
