@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from moecompress.bitpack import pack_bits, packed_size, unpack_bits
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout
+from moecompress.layouts import LAYOUTS, Layout, member_slots
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -112,13 +112,7 @@ class Codebook(Layout):
                 f"Codebook parts do not fit: codes {tuple(c.shape)}, centroids {tuple(cb.shape)}, exact "
                 f"{tuple(ex.shape)} for {self.bits} bits and {self.in_features} inputs"
             )
-        if m.device.type != "meta":
-            q, p = int((m >= 0).sum()), int((m < 0).sum())
-            if not torch.equal(m[m >= 0].cpu(), torch.arange(q)) or q != c.shape[0] or p != ex.shape[0]:
-                raise LayoutError(
-                    f"Codebook members {m.tolist()} do not fit {c.shape[0]} quantised and {p} exact experts"
-                )
-        object.__setattr__(self, "_slot", torch.where(m >= 0, m, (m < 0).cumsum(0) - 1))
+        object.__setattr__(self, "_slot", member_slots(m, c.shape[0], ex.shape[0], "Codebook"))
 
     @classmethod
     def build(

@@ -29,6 +29,20 @@ import torch.nn.functional as F
 from moecompress.errors import LayoutError
 
 
+def member_slots(members: torch.Tensor, stored: int, exact: int, kind: str) -> torch.Tensor:
+    """Where each expert lives in a layout that compresses some experts and stores the others exactly
+    (protected experts): ``members[e] ≥ 0`` indexes the ``stored`` compressed experts (numbered
+    ``0..stored−1`` in expert-id order), ``−1`` marks an exact one. Returns each expert's index into its
+    part (for exact experts: how many exact experts precede it); validates unless on ``meta``."""
+    if members.device.type != "meta":
+        q, p = int((members >= 0).sum()), int((members < 0).sum())
+        if not torch.equal(members[members >= 0].cpu(), torch.arange(q)) or q != stored or p != exact:
+            raise LayoutError(
+                f"{kind} members {members.tolist()} do not fit {stored} compressed and {exact} exact experts"
+            )
+    return torch.where(members >= 0, members, (members < 0).cumsum(0) - 1)
+
+
 class Layout(ABC):
     """Storage of one projection (gate, up or down) for every expert of a bank."""
 

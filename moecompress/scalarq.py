@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from moecompress.bitpack import BITS, pack_bits, packed_size, unpack_bits
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout
+from moecompress.layouts import LAYOUTS, Layout, member_slots
 
 _DT = {
     "float32": torch.float32,
@@ -144,13 +144,7 @@ class RTN(Layout):
                 f"RTN parts do not fit: codes {tuple(c.shape)}, scales {tuple(s.shape)}, dense {tuple(d.shape)} "
                 f"for {self.bits} bits and {self.in_features} inputs"
             )
-        if m.device.type != "meta":
-            q, p = int((m >= 0).sum()), int((m < 0).sum())
-            if not torch.equal(m[m >= 0].cpu(), torch.arange(q)) or q != c.shape[0] or p != d.shape[0]:
-                raise LayoutError(
-                    f"RTN members {m.tolist()} do not fit {c.shape[0]} quantised and {d.shape[0]} dense experts"
-                )
-        object.__setattr__(self, "_slot", torch.where(m >= 0, m, (m < 0).cumsum(0) - 1))
+        object.__setattr__(self, "_slot", member_slots(m, c.shape[0], d.shape[0], "RTN"))
 
     @classmethod
     def from_dense(

@@ -122,3 +122,18 @@ def save_tiny(
     extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, save_original_format=not fused, **extra)
     return model
+
+
+def reference_logits(original: str | Path, ckpt_dir: str | Path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of transformers' stock model of ``original`` with every MoE block replaced by the
+    reference forward of the layer read back from ``ckpt_dir`` (the layer-wise oracle a compressed
+    checkpoint loaded through the quantizer must match)."""
+    from moecompress.io.checkpoint import open_checkpoint
+    from moecompress.skeleton import InstrumentedMoE
+
+    ckpt = open_checkpoint(ckpt_dir)
+    model = AutoModelForCausalLM.from_pretrained(original).eval()
+    for i in ckpt.moe_layer_indices:
+        model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
+    with torch.no_grad():
+        return model(ids).logits

@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny import save_tiny
-from transformers import AutoModelForCausalLM
+from tiny import reference_logits, save_tiny
 
 import moecompress as mc
 from moecompress.codebook import Codebook, kmeans_1d, nearest
@@ -21,7 +20,6 @@ from moecompress.quantize import rotate_bank
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats
 from moecompress.rotation import hadamard, learn_rotation, quant_error
-from moecompress.skeleton import InstrumentedMoE
 
 CAL = {"source": "random", "samples": 8, "seq_len": 32, "batch_size": 4}
 E, W, H = 4, 16, 32
@@ -142,15 +140,6 @@ def test_activation_quantisation_is_stored_and_changes_only_the_rotated_inputs()
         assert torch.equal(getattr(new.experts, name).expert(1), getattr(layer.experts, name).expert(1))
 
 
-def _reference_logits(original, ckpt_dir, ids):
-    ckpt = mc.open_checkpoint(ckpt_dir)
-    model = AutoModelForCausalLM.from_pretrained(original).eval()
-    for i in ckpt.moe_layer_indices:
-        model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_end_to_end_packed_bytes_quantizer_load_and_reference(tiny_qwen, tmp_path):
     out = tmp_path / "out"
     mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
@@ -178,7 +167,7 @@ def test_end_to_end_packed_bytes_quantizer_load_and_reference(tiny_qwen, tmp_pat
     assert rep["layers"][0]["info"]["bytes_after"] == want
     with torch.no_grad():
         got = mc.load(out)(IDS).logits
-    torch.testing.assert_close(got, _reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
 
 
 def test_protect_heapr_uniform_codequant_chain_loads_and_generates(tiny_qwen, tmp_path):

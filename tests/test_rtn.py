@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import save_tiny
+from tiny import reference_logits, save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
@@ -19,7 +19,6 @@ from moecompress.passes.rtn import RtnConfig, rtn
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats, get_pass
 from moecompress.scalarq import RTN, quantize
-from moecompress.skeleton import InstrumentedMoE
 
 CAL = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4}
 E, W, H = 4, 16, 32
@@ -152,15 +151,6 @@ def test_ragged_banks_are_quantised_at_full_width():
         rtn(new, LayerStats(0), RtnConfig())
 
 
-def _reference_logits(original, ckpt_dir, ids):
-    ckpt = mc.open_checkpoint(ckpt_dir)
-    model = AutoModelForCausalLM.from_pretrained(original).eval()
-    for i in ckpt.moe_layer_indices:
-        model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_end_to_end_writes_rtn_loads_through_the_quantizer_and_matches_the_reference(tiny_qwen, tmp_path):
     out = tmp_path / "out"
     mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
@@ -184,7 +174,7 @@ def test_end_to_end_writes_rtn_loads_through_the_quantizer_and_matches_the_refer
         assert f.get_tensor("model.layers.0.mlp.experts.down.scales").dtype == torch.float16
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out)(IDS).logits
-    torch.testing.assert_close(got, _reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
     assert get_pass("rtn").needs_for(RtnConfig()) == set()  # data-free
     # an rtn checkpoint is read on meta in the dry run, and quantising twice is refused there
     with pytest.raises(PassError, match=r"step 1 \(rtn\), layer 0: .*got layout 'rtn' \(gate\)"):

@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import save_tiny
-from transformers import AutoModelForCausalLM
+from tiny import reference_logits, save_tiny
 
 import moecompress as mc
 from moecompress.errors import LayoutError, PassError
@@ -18,7 +17,6 @@ from moecompress.lowrank import LowRank
 from moecompress.passes.svd_experts import SvdExpertsConfig, factorize, rank_split, svd_experts
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats, get_pass
-from moecompress.skeleton import InstrumentedMoE
 from moecompress.whitening import Whitener, chol
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
@@ -131,17 +129,6 @@ def test_ranks_meet_the_budget():
     assert rank_split(32, 64, 8, 0.4, "uniform") == (12, 0)  # removes 0.4375: why balanced is the default
 
 
-def _reference_logits(original, ckpt_dir, ids):
-    """transformers' stock model of the input with every MoE block replaced by the reference forward on
-    the layer read back from ``ckpt_dir`` (the layer-wise oracle)."""
-    ckpt = mc.open_checkpoint(ckpt_dir)
-    model = AutoModelForCausalLM.from_pretrained(original).eval()
-    for i in ckpt.moe_layer_indices:
-        model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_end_to_end_writes_lowrank_loads_through_the_quantizer_and_matches_the_reference(tiny_qwen, tmp_path):
     out = tmp_path / "out"
     mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
@@ -159,7 +146,7 @@ def test_end_to_end_writes_lowrank_loads_through_the_quantizer_and_matches_the_r
         assert f.get_tensor("model.layers.0.mlp.experts.down.v").shape == (102, 32)
     with torch.no_grad():
         got = mc.load(out)(IDS).logits
-    torch.testing.assert_close(got, _reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
     # a low-rank checkpoint is read on meta in the dry run, and decomposing twice is refused there
     with pytest.raises(PassError, match=r"step 1 \(svd_experts\), layer 0: .*layout 'lowrank'"):
         mc.apply({"model": str(out), "output": str(tmp_path / "o2"), "calibration": CAL,
