@@ -130,6 +130,7 @@ def finetune(
     x_val: torch.Tensor,
     *,
     steps: int,
+    live: int,
     lr: float,
     kl_weight: float,
     scales: dict[str, torch.Tensor | None],
@@ -138,8 +139,9 @@ def finetune(
     weights [M, out, in], "cents", "codes"}}``, assignment fixed within a step, reassigned after it) to
     minimise ``‖MoE_q(x) − MoE(x)‖² / ‖MoE(x)‖² + kl_weight · KL(router)`` on ``x_fit``; the step size of
     each projection is ``lr`` times its mean |weight|. The centroids (float16-rounded) with the lowest
-    error on ``x_val`` are kept (the k-means result when no step improves). Updates ``parts`` in place
-    and returns the fit/validation errors."""
+    error on ``x_val`` are kept (the k-means result when no step improves). ``parts`` hold the first
+    ``live`` neurons of each expert (neuron-pruned banks). Updates ``parts`` in place and returns the
+    fit/validation errors."""
     with torch.no_grad():
         y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
     idx = torch.tensor(ids, dtype=torch.long)
@@ -149,7 +151,10 @@ def finetune(
         out = {}
         for name, w in full.items():
             w = w.clone()
-            w[idx] = decode(cents[name], codes[name])
+            if name == "down":
+                w[idx, :, :live] = decode(cents[name], codes[name])
+            else:
+                w[idx, :live] = decode(cents[name], codes[name])
             out[name] = w
         return out
 

@@ -14,7 +14,7 @@ import moecompress as mc
 from moecompress.codebook import Codebook, kmeans_1d, nearest
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import LAYOUTS, Dense
+from moecompress.layouts import LAYOUTS, Dense, Ragged
 from moecompress.passes.codequant import CodequantConfig, codequant
 from moecompress.quantize import rotate_bank
 from moecompress.reference import moe_forward
@@ -190,8 +190,45 @@ def test_errors_name_the_field_and_the_fix(tiny_qwen, tmp_path):
     pruned = tmp_path / "p"
     mc.apply({**rec, "output": str(pruned), "steps": [{"neuron_prune": {"ratio": 0.25, "method": "magnitude"}}]},
              progress=False)  # fmt: skip
-    with pytest.raises(PassError, match=r"codequant needs dense experts.*layout: uniform"):
-        mc.apply({**rec, "model": str(pruned), "steps": [{"codequant": {}}]}, dry_run=True)
+    with pytest.raises(PassError, match=r"different widths .*heapr layout: uniform"):  # widths: known at run time
+        mc.apply({**rec, "model": str(pruned), "steps": [{"codequant": {"rotation_steps": 2}}]}, progress=False)
+    svd = tmp_path / "svd"
+    mc.apply({**rec, "output": str(svd), "steps": [{"svd_experts": {}}]}, progress=False)
+    with pytest.raises(PassError, match=r"codequant needs dense \(or uniformly pruned\) experts.*lowrank"):
+        mc.apply({**rec, "model": str(svd), "steps": [{"codequant": {}}]}, dry_run=True)
     with pytest.raises(Exception, match="fuse"):
         CodequantConfig(fuse="model")
     assert not (tmp_path / "o").exists()
+
+
+def test_uniformly_pruned_bank_with_a_full_width_protected_expert_stores_only_live_neurons():
+    """heapr uniform + protection gives a ragged bank (protected expert full width, the others one live
+    width): codebooks cover only the live neurons, the protected expert stays exact, lossless on a grid."""
+    g = torch.Generator().manual_seed(11)
+
+    def grid(*shape):
+        vals = torch.randint(-64, 64, (*shape[:-1], 16), generator=g).float() / 32
+        return vals.gather(-1, torch.randint(0, 16, shape, generator=g))
+
+    dense = [grid(E, W, H), grid(E, W, H), grid(E, H, W)]
+    live = 12
+    keep = [torch.arange(W if e == 1 else live) for e in range(E)]
+    lays = [Ragged.from_dense(dense[0], keep, "out"), Ragged.from_dense(dense[1], keep, "out"),
+            Ragged.from_dense(dense[2], keep, "in")]  # fmt: skip
+    layer = _layer(weights=None, protected=frozenset({1}))
+    layer = layer.replace(experts=ExpertBank(*lays))
+    stats = LayerStats(0, {"io_sample_x": _inputs()})
+    new, _ = codequant(layer, stats, CodequantConfig(bits=4, rotation="none", finetune_steps=0))
+    x = _inputs(64, 3)
+    assert torch.equal(moe_forward(new, x), moe_forward(layer, x))
+    gate, down = new.experts.gate, new.experts.down
+    assert gate.codes.shape[:2] == (E - 1, live) and down.in_features == live and gate.shape == (E, W, H)
+    assert gate.meta()["stored"] == [live, H] and down.meta()["stored"] == [H, live]
+    for lay in (gate, down):
+        back = LAYOUTS["codebook"].from_tensors(lay.tensors(), lay.meta())
+        assert torch.equal(back.dense(), lay.dense())
+    assert torch.equal(gate.expert(1), layer.experts.gate.expert(1))
+    assert new.experts.widths.tolist() == [live, W, live, live]
+    rotated, _ = codequant(layer, stats, CodequantConfig(bits=4, rotation="hadamard", finetune_steps=0))
+    assert _rel(moe_forward(rotated, x), moe_forward(layer, x)) < 0.1  # rotated weights are off the grid
+    assert not rotated.experts.gate.expert(0)[live:].any() and not rotated.experts.down.expert(0)[:, live:].any()

@@ -58,7 +58,7 @@ from pydantic import Field
 from moecompress.codebook import Codebook
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts import Dense
+from moecompress.layouts import Dense, Ragged
 from moecompress.quantize import cluster, finetune, gate_up_scales, reassign, rotate_bank
 from moecompress.registry import LayerStats, PassConfig, register_pass
 from moecompress.rotation import hadamard, learn_rotation, quant_error
@@ -95,15 +95,11 @@ def _projections(cfg: CodequantConfig) -> tuple[str, ...]:
 
 def _check(layer: MoELayer, cfg: CodequantConfig) -> None:
     bank = layer.experts
-    if not all(isinstance(getattr(bank, n), Dense) for n in ("gate", "up", "down")):
+    if not all(isinstance(getattr(bank, n), (Dense, Ragged)) for n in ("gate", "up", "down")):
         kinds = sorted({getattr(bank, n).kind for n in ("gate", "up", "down")})
         raise PassError(
-            f"codequant needs dense experts, got layouts {kinds}; quantise last (after pruning with "
-            "layout: uniform, merging or nothing)"
+            f"codequant needs dense (or uniformly pruned) experts, got layouts {kinds}; quantise last"
         )
-    w = bank.widths
-    if w is not None and w.device.type != "meta" and bool((w != bank.width).any()):
-        raise PassError("codequant needs experts of one width; prune with layout: uniform before quantising")
     if bank.rotation is not None or bank.act_bits is not None:
         raise PassError("this layer is already rotated/quantised by an earlier codequant step; quantise once")
     if cfg.group != -1:
@@ -114,6 +110,25 @@ def _check(layer: MoELayer, cfg: CodequantConfig) -> None:
                     f"group={cfg.group} does not divide the {inn} inputs of {name}; use a divisor of "
                     f"{bank.hidden_size} and {bank.width}, or -1 (whole rows)"
                 )
+
+
+def _members(layer: MoELayer, cfg: CodequantConfig) -> tuple[list[int], frozenset[int], int]:
+    """Quantised and exact (protected) physical experts, and the quantised experts' live width."""
+    bank = layer.experts
+    protected = frozenset(layer.physical(e) for e in layer.protected)
+    ids = [e for e in range(bank.num_experts) if e not in protected]
+    widths = {bank.width_of(e) for e in ids}
+    if len(widths) > 1:
+        raise PassError(
+            f"the quantised experts have different widths {sorted(widths)}; codequant needs one width (prune "
+            "with heapr layout: uniform)"
+        )
+    live = widths.pop() if widths else bank.width
+    if cfg.group != -1 and "down" in _projections(cfg) and live % cfg.group:
+        raise PassError(
+            f"group={cfg.group} does not divide the pruned experts' width {live}; use -1 or a divisor"
+        )
+    return ids, protected, live
 
 
 def _rotation(layer: MoELayer, x: torch.Tensor, cfg: CodequantConfig, info: dict) -> torch.Tensor | None:
@@ -169,8 +184,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     x = stats["io_sample_x"].float()
     n_fit = max(1, (3 * x.shape[0]) // 4)
     x_fit, x_val = x[:n_fit], x[n_fit:] if x.shape[0] > n_fit else x
-    protected = frozenset(layer.physical(e) for e in layer.protected)
-    ids = [e for e in range(bank.num_experts) if e not in protected]
+    ids, protected, live = _members(layer, cfg)
     info: dict = {"protected": sorted(protected), "bits": cfg.bits, "bytes_before": bank.nbytes()}
     r = _rotation(layer, x_fit, cfg, info)
     rotated = layer if r is None else layer.replace(experts=rotate_bank(bank, r, protected))
@@ -180,6 +194,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     parts, scales = {}, {}
     for name in _projections(cfg):
         w = getattr(rotated.experts, name).dense()[idx].float()
+        w = w[:, :, :live] if name == "down" else w[:, :live]  # pruned experts: the live part only
         gs = w.shape[2] if cfg.group == -1 else cfg.group
         cents, codes = cluster(w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed)
         scales[name] = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits) if name != "down" else None
@@ -195,6 +210,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
             x_fit,
             x_val,
             steps=cfg.finetune_steps if ids else 0,
+            live=live,
             lr=cfg.finetune_lr,
             kl_weight=cfg.kl_weight,
             scales=scales,
