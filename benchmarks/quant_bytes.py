@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from moecompress.codebook import Codebook
+from moecompress.scalarq import RTN
 
 SHAPES = {  # name: (hidden H, expert width I, experts per layer E)
     "Qwen3-30B-A3B": (2048, 768, 128),
@@ -40,15 +41,32 @@ def codebook_bytes(h: int, i: int, e: int, bits: int, n: int, rot_bytes: int = 4
     return total / (3 * e * h * i)
 
 
+def rtn_bytes(h: int, i: int, e: int, bits: int, n: int, group: int, symmetric: bool) -> float:
+    """The same for the ``rtn`` layout (``group`` inputs per scale; no rotation)."""
+    total = 0
+    for out, inn in ((i, h), (i, h), (h, i)):
+        rows = min(out, 64)
+        lay = RTN.from_dense(torch.randn(n, rows, inn), bits, group, symmetric=symmetric)
+        total += (lay.nbytes() - lay.members.numel() * 8) / (n * rows) * out * e + e * 8
+    return total / (3 * e * h * i)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=2, help="experts actually quantised per shape")
     args = ap.parse_args()
-    print("| shape | bits | codebook (per row) B/param | bits/param |\n|---|---:|---:|---:|")
+    print(
+        "| shape | bits | codebook per row + rotation: B/param | bits/param | rtn g128 asym: B/param | bits/param "
+        "| rtn g128 sym: bits/param |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name, (h, i, e) in SHAPES.items():
+        g = 128 if i % 128 == 0 else 64
         for bits in (4, 3, 2):
             b = codebook_bytes(h, i, e, bits, args.experts)
-            print(f"| {name} | {bits} | {b:.4f} | {8 * b:.3f} |")
+            r = rtn_bytes(h, i, e, bits, args.experts, g, False)
+            rs = rtn_bytes(h, i, e, bits, args.experts, g, True)
+            note = "" if g == 128 else " (g64)"
+            print(f"| {name} | {bits} | {b:.4f} | {8 * b:.3f} | {r:.4f}{note} | {8 * r:.3f} | {8 * rs:.3f} |")
 
 
 if __name__ == "__main__":
