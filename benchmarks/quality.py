@@ -51,9 +51,10 @@ METHODS = {
     "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
     "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
     "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},
-    "namex-remap": lambda r: {"namex": {"ratio": r, "router": "remap"}},
+    "namex-remap": lambda r: {"namex": {"ratio": r, "router": "remap"}},  # refines (refine_steps: 10)
     "namex-collapse": lambda r: {"namex": {"ratio": r, "router": "collapse"}},
-    "namex-remap-refine": lambda r: {"namex": {"ratio": r, "router": "remap", "refine_steps": 10}},
+    "namex-remap-norefine": lambda r: {"namex": {"ratio": r, "router": "remap", "refine_steps": 0}},
+    "namex-collapse-norefine": lambda r: {"namex": {"ratio": r, "router": "collapse", "refine_steps": 0}},
     "merge-average": lambda r: {"merge_experts": {"ratio": r, "method": "average", "router": "remap"}},
     "merge-frequency": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "router": "remap"}},
 }

@@ -93,7 +93,7 @@ def test_singletons_are_unchanged_and_no_grouping_is_exact(name):
 
 def test_a_two_member_group_follows_the_nash_formula():
     layer = make_layer()
-    new, info = namex(layer, make_stats(layer), NamexConfig(target_experts=7, align=False))
+    new, info = namex(layer, make_stats(layer), NamexConfig(target_experts=7, align=False, refine_steps=0))
     (grp,) = info["merged_groups"]
     b, (m,) = grp["base"], [e for e in grp["members"] if e != grp["base"]]
     tau = {p: getattr(layer.experts, p).expert(m) - getattr(layer.experts, p).expert(b) for p in PROJ}

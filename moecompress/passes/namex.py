@@ -18,8 +18,8 @@ Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMo
    ``Σ_t ‖s_t E_merged(x_t) − Σ_{i∈C} w_{t,i} E_i(x_t)‖²`` (``s_t`` the members' summed routing weight)
    — the block error under the remapped router with the other groups exact (also for ``router:
    collapse``, whose router is only chosen afterwards). Ties: the ``r`` closest to 1.
-4. **Refinement** (``refine_steps > 0``): gradient steps on each merged expert against the same target
-   on the *fit* tokens, heavy-ball momentum with a complex coefficient ``β = r·e^{iφ}`` (``momentum``,
+4. **Refinement** (``refine_steps``, default 10; 0 switches it off): gradient steps on each merged
+   expert against the same target on the *fit* tokens, heavy-ball momentum with a complex coefficient ``β = r·e^{iφ}`` (``momentum``,
    ``phase`` in degrees): ``μ ← βμ − η·∇``, ``θ ← θ + Re(μ)``, the step normalised to ``η = lr·‖θ‖/‖∇‖``
    (``lr`` is a relative step size). The best iterate by fit loss is kept. The same steps with real
    momentum (``φ = 0``) run for comparison; both held-back layer errors are reported
@@ -60,7 +60,9 @@ GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 class NamexConfig(MergeOptions):
     gamma_grid: tuple[float, ...] = Field(GRID, min_length=1, description="candidates for γ/γ₀ (per group)")
-    refine_steps: int = Field(0, ge=0, description="gradient steps on each merged expert (0: none)")
+    refine_steps: int = Field(
+        10, ge=0, description="gradient steps on each merged expert (0: none; kept only if it helps held-back)"
+    )
     lr: float = Field(0.01, gt=0, le=1, description="refinement step, relative to the weights' norm")
     momentum: float = Field(0.8, ge=0, lt=1, description="|β| of the complex momentum")
     phase: float = Field(15.0, ge=-180, le=180, description="arg β in degrees (0: real heavy-ball momentum)")
