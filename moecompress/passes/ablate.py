@@ -14,10 +14,12 @@ Example step::
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import Field
 
 from moecompress.errors import PassError
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import MoELayer
 from moecompress.layouts import Dense
 from moecompress.registry import LayerStats, PassConfig, register_pass
 
@@ -49,9 +51,5 @@ def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tup
     down = layer.experts.down.weight.clone()
     for e in targets:
         down[layer.physical(e)] = 0
-    bank = layer.experts
-    new_bank = ExpertBank(
-        bank.gate, bank.up, Dense(down), widths=bank.widths, biases=bank.biases, act=bank.act,
-        alpha=bank.alpha, limit=bank.limit,
-    )  # fmt: skip
+    new_bank = dataclasses.replace(layer.experts, down=Dense(down))  # keeps widths, biases, rotation
     return layer.replace(experts=new_bank), {"ablated": targets}
