@@ -114,48 +114,51 @@ def router_kl(orig: MoELayer, new: MoELayer, x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def with_weights(layer: MoELayer, weights: dict[str, torch.Tensor]) -> MoELayer:
-    """``layer`` whose bank's projections are replaced by the dense ``weights`` (may require grad)."""
-    return layer.replace(
-        experts=dataclasses.replace(layer.experts, **{k: Dense(v) for k, v in weights.items()})
-    )
+def with_weights(layer: MoELayer, weights: dict[tuple[str, str], torch.Tensor]) -> MoELayer:
+    """``layer`` whose projections ``{(bank, proj): W}`` (bank ``experts`` or ``shared``) are replaced by
+    the dense ``W`` (may require grad)."""
+    banks: dict[str, dict[str, Dense]] = {}
+    for (bank, proj), w in weights.items():
+        banks.setdefault(bank, {})[proj] = Dense(w)
+    return layer.replace(**{b: dataclasses.replace(getattr(layer, b), **lays) for b, lays in banks.items()})
+
+
+def part_slice(part: dict) -> tuple:
+    """Where a part's quantised weights sit in its bank's dense ``[E, out, in]``: its experts, and their
+    first ``live`` neurons (rows of gate/up, columns of down)."""
+    idx = torch.tensor(part["ids"], dtype=torch.long)
+    live = slice(0, part["live"])
+    return (idx, slice(None), live) if part["proj"] == "down" else (idx, live)
 
 
 def finetune(
     layer: MoELayer,
     rotated: MoELayer,
-    parts: dict[str, dict],
-    ids: list[int],
+    parts: dict[tuple[str, str], dict],
     x_fit: torch.Tensor,
     x_val: torch.Tensor,
     *,
     steps: int,
-    live: int,
     lr: float,
     kl_weight: float,
-    scales: dict[str, torch.Tensor | None],
 ) -> dict:
-    """Centroid fine-tuning (CodeQuant ACCF): Adam on the centroids of ``parts`` (``{proj: {"w": rotated
-    weights [M, out, in], "cents", "codes"}}``, assignment fixed within a step, reassigned after it) to
+    """Centroid fine-tuning (CodeQuant ACCF): Adam on the centroids of ``parts`` (``{(bank, proj): {"w":
+    the (rotated) weights [M, out, in] of experts "ids" cut to "live" neurons, "cents", "codes", "scale"
+    (B/A or None)}}``, assignment fixed within a step, reassigned after it) to
     minimise ``‖MoE_q(x) − MoE(x)‖² / ‖MoE(x)‖² + kl_weight · KL(router)`` on ``x_fit``; the step size of
     each projection is ``lr`` times its mean |weight|. The centroids (float16-rounded) with the lowest
-    error on ``x_val`` are kept (the k-means result when no step improves). ``parts`` hold the first
-    ``live`` neurons of each expert (neuron-pruned banks). Updates ``parts`` in place and returns the
-    fit/validation errors."""
+    error on ``x_val`` are kept (the k-means result when no step improves). Updates ``parts`` in place
+    and returns the fit/validation errors."""
     with torch.no_grad():
         y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
-    idx = torch.tensor(ids, dtype=torch.long)
-    full = {name: getattr(rotated.experts, name).dense().float() for name in parts}
+    full = {key: getattr(getattr(rotated, key[0]), key[1]).dense().float() for key in parts}
 
-    def weights(cents: dict[str, torch.Tensor], codes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def weights(cents: dict, codes: dict) -> dict[tuple[str, str], torch.Tensor]:
         out = {}
-        for name, w in full.items():
+        for key, w in full.items():
             w = w.clone()
-            if name == "down":
-                w[idx, :, :live] = decode(cents[name], codes[name])
-            else:
-                w[idx, :live] = decode(cents[name], codes[name])
-            out[name] = w
+            w[part_slice(parts[key])] = decode(cents[key], codes[key])
+            out[key] = w
         return out
 
     def val_error(cents, codes) -> float:
@@ -184,7 +187,7 @@ def finetune(
         opt.step()
         fit_last = float(loss.detach())
         with torch.no_grad():
-            codes = {k: reassign(parts[k]["w"], params[k], scales.get(k)) for k in params}
+            codes = {k: reassign(parts[k]["w"], params[k], parts[k]["scale"]) for k in params}
         err = val_error(params, codes)
         if err < best[0]:
             best = (err, {k: v.detach().clone() for k, v in params.items()}, dict(codes), step)

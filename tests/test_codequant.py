@@ -232,3 +232,30 @@ def test_uniformly_pruned_bank_with_a_full_width_protected_expert_stores_only_li
     rotated, _ = codequant(layer, stats, CodequantConfig(bits=4, rotation="hadamard", finetune_steps=0))
     assert _rel(moe_forward(rotated, x), moe_forward(layer, x)) < 0.1  # rotated weights are off the grid
     assert not rotated.experts.gate.expert(0)[live:].any() and not rotated.experts.down.expert(0)[:, live:].any()
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe"])
+def test_shared_experts_are_quantised_stored_in_the_format_and_load(model_type, tmp_path):
+    """The shared expert gets codebooks (unrotated); the checkpoint stores it under the shared module's
+    path, and transformers loads it through the quantizer with the reference logits."""
+    src, out = tmp_path / "m", tmp_path / "out"
+    save_tiny(model_type, src)
+    mc.apply({"model": str(src), "output": str(out), "calibration": CAL,
+              "steps": [{"codequant": {"bits": 4, "finetune_steps": 3, "rotation_steps": 5}}]},
+             progress=False)  # fmt: skip
+    ckpt = mc.open_checkpoint(out)
+    i = ckpt.moe_layer_indices[0]
+    layer = ckpt.read_layer(i)
+    assert isinstance(layer.shared.gate, Codebook) and layer.shared.rotation is None
+    assert isinstance(layer.experts.gate, Codebook) and layer.experts.rotation is not None
+    desc = json.loads((out / "config.json").read_text())["moecompress"]["layers"][str(i)]
+    assert desc["shared"]["experts"]["down"]["kind"] == "codebook"
+    assert any(k.startswith(ckpt.adapter.shared_key(i) + ".gate.codes") for k in ckpt.reader.keys)
+    with torch.no_grad():
+        got = mc.load(out)(IDS).logits
+    torch.testing.assert_close(got, reference_logits(src, out, IDS), rtol=1e-5, atol=1e-5)
+    kept = tmp_path / "kept"
+    mc.apply({"model": str(src), "output": str(kept), "calibration": CAL,
+              "steps": [{"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "none", "shared": False}}]},
+             progress=False)  # fmt: skip
+    assert isinstance(mc.open_checkpoint(kept).read_layer(i).shared.gate, Dense)

@@ -98,16 +98,23 @@ class Adapter(ABC):
         """On-disk tensors of a canonical layer (hub names unless ``fused``)."""
 
     @abstractmethod
-    def router_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
-        """The stock-named tensors of everything but the routed experts (router, biases, shared expert)."""
+    def router_tensors(self, layer: MoELayer, *, shared: bool = True) -> dict[str, torch.Tensor]:
+        """The stock-named tensors of everything but the routed experts (router, biases, and the shared
+        expert unless ``shared=False``: a compressed shared expert is written in the moecompress format)."""
 
     @abstractmethod
-    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+    def router_keys(self, i: int, fmt: str = "hub", *, shared: bool = True) -> list[str]:
         """Names of the tensors :meth:`router_tensors` writes for layer ``i``."""
 
     @abstractmethod
-    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
-        """``MoELayer`` fields other than the routed experts, from the tensors named by :meth:`router_keys`."""
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub", *, shared: bool = True) -> dict:
+        """``MoELayer`` fields other than the routed experts, from the tensors named by :meth:`router_keys`
+        (``shared=False``: the shared expert is not among them and is left ``None``)."""
+
+    def shared_key(self, i: int) -> str | None:
+        """Key prefix of the shared expert *module* (memory path) of layer ``i``, where a compressed shared
+        expert is stored; ``None`` for architectures without one."""
+        return None
 
     def config_spellings(self, key: str) -> list[str]:
         """Every config.json spelling of attribute ``key`` (transformers' ``attribute_map`` aliases)."""
@@ -270,42 +277,47 @@ class PerExpertAdapter(Adapter):
             index=i, experts=ExpertBank(Dense(gate), Dense(up), Dense(down)), **self.router_part(i, t, fmt)
         )
 
-    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+    def shared_key(self, i: int) -> str | None:
+        return f"{self.layer_prefix(i)}{self.module_attr}.{self.shared_name}" if self.shared_name else None
+
+    def router_keys(self, i: int, fmt: str = "hub", *, shared: bool = True) -> list[str]:
         p, router = self._names(i, fmt)
         keys = [f"{p}.{router}.weight"]
         if self.has_score_bias:
             keys.append(f"{p}.{router}.e_score_correction_bias")
-        if self.shared_name:
+        if self.shared_name and shared:
             keys += [f"{p}.{self.shared_name}.{q}.weight" for q in ("gate_proj", "up_proj", "down_proj")]
         if self.shared_gate_name:
             keys.append(f"{p}.{self.shared_gate_name}.weight")
         return keys
 
-    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub", *, shared: bool = True) -> dict:
         p, router = self._names(i, fmt)
         weight = t.pop(f"{p}.{router}.weight")
-        shared = None
-        if self.shared_name:
+        bank = None
+        if self.shared_name and shared:
             s = f"{p}.{self.shared_name}"
-            shared = ExpertBank(
+            bank = ExpertBank(
                 *(Dense(t.pop(f"{s}.{q}.weight")[None]) for q in ("gate_proj", "up_proj", "down_proj"))
             )
         return {
             "router": self.router_spec(num_experts=weight.shape[0]),
             "router_weight": weight,
             "score_bias": t.pop(f"{p}.{router}.e_score_correction_bias") if self.has_score_bias else None,
-            "shared": shared,
+            "shared": bank,
             "shared_gate": t.pop(f"{p}.{self.shared_gate_name}.weight") if self.shared_gate_name else None,
         }
 
-    def router_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+    def router_tensors(
+        self, layer: MoELayer, *, fused: bool = False, shared: bool = True
+    ) -> dict[str, torch.Tensor]:
         p, router = self._names(layer.index, "fused" if fused else "hub")
         out: dict[str, torch.Tensor] = {f"{p}.{router}.weight": layer.router_weight}
         if self.has_score_bias:
             if layer.score_bias is None:
                 raise LayoutError(f"{self.model_type} layer {layer.index}: score_bias is required")
             out[f"{p}.{router}.e_score_correction_bias"] = layer.score_bias
-        if self.shared_name:
+        if self.shared_name and shared:
             if layer.shared is None:
                 raise LayoutError(f"{self.model_type} layer {layer.index}: the shared expert is required")
             s = f"{p}.{self.shared_name}"

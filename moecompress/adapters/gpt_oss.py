@@ -44,10 +44,10 @@ class GptOssAdapter(Adapter):
             f"{p}.experts.down_proj_bias": (e, h),
         }
 
-    def router_keys(self, i: int, fmt: str = "hub") -> list[str]:
+    def router_keys(self, i: int, fmt: str = "hub", *, shared: bool = True) -> list[str]:
         return [f"{self._p(i)}.router.weight", f"{self._p(i)}.router.bias"]
 
-    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub") -> dict:
+    def router_part(self, i: int, t: dict[str, torch.Tensor], fmt: str = "hub", *, shared: bool = True) -> dict:
         weight = t.pop(f"{self._p(i)}.router.weight")
         return {
             "router": self.router_spec(num_experts=weight.shape[0]),
@@ -76,7 +76,9 @@ class GptOssAdapter(Adapter):
         )
         return MoELayer(index=i, experts=bank, **self.router_part(i, t))
 
-    def router_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
+    def router_tensors(
+        self, layer: MoELayer, *, fused: bool = False, shared: bool = True
+    ) -> dict[str, torch.Tensor]:
         p = self._p(layer.index)
         if layer.router_bias is None:
             raise LayoutError(f"gpt_oss layer {layer.index}: the router bias is required")

@@ -141,9 +141,9 @@ def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> 
     """Validate MoE layer ``i`` from headers (stock names, or the moecompress format when described)."""
     if desc is None:
         return adapter.check_layer(i, reader.keys, reader.shape)
-    from moecompress.io.format import compressed_keys
+    from moecompress.io.format import compressed_keys, stock_keys
 
-    keys = [*adapter.router_keys(i), *compressed_keys(adapter, i, desc)]
+    keys = [*stock_keys(adapter, i, desc), *compressed_keys(adapter, i, desc)]
     missing = [k for k in keys if k not in reader]
     if missing:
         raise CheckpointError(

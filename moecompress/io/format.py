@@ -10,6 +10,7 @@ router and shared expert under the stock names and stores its routed experts und
     <experts>.widths                    int32 [E] live widths (when not all full)
     <experts>.expert_map                int64 [E_logical] logical -> physical expert (merged experts)
     <experts>.rotation                  [H, H] input rotation of the bank (codequant)
+    <shared>.<...>                      a compressed shared expert, the same names under its module path
 
 and ``config.json["moecompress"]["layers"]["<i>"]`` describes it (layout ``meta()`` per projection,
 which optional tensors exist, the physical expert count). Such a checkpoint also carries
@@ -46,20 +47,17 @@ def is_stock(layer: MoELayer, adapter=None) -> bool:
         return False
     dense = all(isinstance(lay, Dense) for lay in (bank.gate, bank.up, bank.down))
     full = bank.widths is None or bool((bank.widths == bank.width).all())
-    shared_dense = layer.shared is None or all(
-        isinstance(lay, Dense) for lay in (layer.shared.gate, layer.shared.up, layer.shared.down)
-    )
+    shared_dense = _dense_bank(layer.shared)
     plain = bank.rotation is None and bank.act_bits is None
     return dense and full and shared_dense and plain and layer.expert_map is None
 
 
-def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """On-disk tensors of ``layer`` and its description (``None`` for a stock layer)."""
-    if is_stock(layer, adapter):
-        return adapter.layer_tensors(layer), None
-    out = adapter.router_tensors(layer)
-    p = adapter.experts_key(layer.index)
-    bank = layer.experts
+def _dense_bank(bank: ExpertBank | None) -> bool:
+    return bank is None or all(isinstance(lay, Dense) for lay in (bank.gate, bank.up, bank.down))
+
+
+def encode_bank(bank: ExpertBank, p: str, out: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Add ``bank``'s tensors under prefix ``p`` to ``out``; return its description."""
     desc: dict[str, Any] = {"experts": {}, "num_experts": bank.num_experts, "act": bank.act.value}
     if bank.act is Act.SWIGLU_CLAMPED:
         desc.update(alpha=bank.alpha, limit=bank.limit)
@@ -72,7 +70,7 @@ def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dic
             "tensor_shapes": {k: list(t.shape) for k, t in stored.items()},
             "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in stored.items()},
         }
-        for key, t in lay.tensors().items():
+        for key, t in stored.items():
             out[f"{p}.{name}.{key}"] = t
     for name, b in bank.biases.items():
         out[f"{p}.{name}_bias"] = b
@@ -87,21 +85,32 @@ def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dic
         desc["act_bits"] = int(bank.act_bits)
     if bank.unrotated:
         desc["unrotated"] = sorted(bank.unrotated)
+    return desc
+
+
+def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """On-disk tensors of ``layer`` and its description (``None`` for a stock layer). A compressed
+    shared expert is stored like the routed bank, under the shared module's path (``desc["shared"]``)."""
+    if is_stock(layer, adapter):
+        return adapter.layer_tensors(layer), None
+    shared_stock = _dense_bank(layer.shared)
+    out = adapter.router_tensors(layer, shared=shared_stock)
+    p = adapter.experts_key(layer.index)
+    desc = encode_bank(layer.experts, p, out)
     if layer.expert_map is not None:
         out[f"{p}.expert_map"] = layer.expert_map.to(torch.int64)
         desc["expert_map"] = True
         desc["num_logical_experts"] = int(layer.expert_map.numel())
+    if not shared_stock:
+        desc["shared"] = encode_bank(layer.shared, adapter.shared_key(layer.index), out)  # type: ignore[arg-type]
     return out, desc
 
 
-def compressed_keys(adapter, i: int, desc: dict[str, Any]) -> list[str]:
-    """The expert tensor names a described layer stores (for validation and copying)."""
-    p = adapter.experts_key(i)
+def _bank_keys(i: int, p: str, desc: dict[str, Any]) -> list[str]:
     keys = []
     for name in PROJ:
         meta = desc["experts"][name]
-        cls = LAYOUTS.get(meta.get("kind"))
-        if cls is None:
+        if LAYOUTS.get(meta.get("kind")) is None:
             raise CheckpointError(
                 f"layer {i}: unknown layout kind {meta.get('kind')!r}; known: {sorted(LAYOUTS)}"
             )
@@ -113,10 +122,23 @@ def compressed_keys(adapter, i: int, desc: dict[str, Any]) -> list[str]:
     return keys
 
 
+def compressed_keys(adapter, i: int, desc: dict[str, Any]) -> list[str]:
+    """The expert tensor names a described layer stores (for validation and copying)."""
+    keys = _bank_keys(i, adapter.experts_key(i), desc)
+    if "shared" in desc:
+        keys += _bank_keys(i, adapter.shared_key(i), desc["shared"])
+    return keys
+
+
+def stock_keys(adapter, i: int, desc: dict[str, Any]) -> list[str]:
+    """The stock-named tensors of a described layer (router, biases, an uncompressed shared expert)."""
+    return adapter.router_keys(i, shared="shared" not in desc)
+
+
 def decode_bank(
     desc: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str
 ) -> tuple[ExpertBank, torch.Tensor | None]:
-    """The routed bank (and expert map) of a described layer from its stored tensors."""
+    """A described bank (and its expert map) from its stored tensors under ``prefix``."""
     lays = []
     for name in PROJ:
         meta = desc["experts"][name]
@@ -146,9 +168,14 @@ def decode_bank(
 def read_compressed_layer(
     adapter, i: int, desc: dict[str, Any], fetch: Callable[[Iterable[str]], dict]
 ) -> MoELayer:
-    """A described (non-stock) layer: router/shared from stock names, experts from the format."""
-    part = adapter.router_part(i, fetch(adapter.router_keys(i)))
-    bank, emap = decode_bank(desc, fetch(compressed_keys(adapter, i, desc)), adapter.experts_key(i))
+    """A described (non-stock) layer: router (and a dense shared expert) from stock names, the routed
+    experts (and a compressed shared expert) from the format."""
+    shared_stock = "shared" not in desc
+    part = adapter.router_part(i, fetch(stock_keys(adapter, i, desc)), shared=shared_stock)
+    tensors = fetch(compressed_keys(adapter, i, desc))
+    bank, emap = decode_bank(desc, tensors, adapter.experts_key(i))
+    if not shared_stock:
+        part["shared"] = decode_bank(desc["shared"], tensors, adapter.shared_key(i))[0]
     return MoELayer(index=i, experts=bank, expert_map=emap, **part)
 
 

@@ -32,8 +32,10 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
    the fine-tuning) quantises the rotated gate/up input per token, as in the paper's A4W4 tables.
 
 Protected (super) experts are stored bit-identically (``exact``), read the unrotated input and are never
-activation-quantised. Shared experts are kept in full precision (the format describes routed banks
-only). Input must be dense (quantise last; prune with ``layout: uniform`` before).
+activation-quantised. The shared expert (DeepSeek, Qwen2-MoE; ``shared: true``) gets per-row codebooks
+too and joins the fine-tuning, but reads the unrotated input without activation quantisation (a second
+``H × H`` rotation per layer would cost more than it saves; ``shared: false`` keeps it dense). Input
+must be dense or uniformly pruned (quantise last; prune with ``layout: uniform`` before).
 
 Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
 than 512 tokens). Cost per layer: k-means of every row (``E·(2I + H)`` rows), ``finetune_steps`` forwards
@@ -86,6 +88,7 @@ class CodequantConfig(PassConfig):
     )
     kl_weight: float = Field(1.0, ge=0, description="weight λ of the router KL term")
     eval_act_bits: int | None = Field(None, ge=2, le=16, description="fake-quantise gate/up inputs (A4: 4)")
+    shared: bool = Field(True, description="also quantise the shared expert (unrotated, weights only)")
     seed: int = Field(42, ge=0, description="seed of k-means++, the Hadamard signs and the rotation batches")
 
 
@@ -103,13 +106,24 @@ def _check(layer: MoELayer, cfg: CodequantConfig) -> None:
     if bank.rotation is not None or bank.act_bits is not None:
         raise PassError("this layer is already rotated/quantised by an earlier codequant step; quantise once")
     if cfg.group != -1:
-        for name in _projections(cfg):
-            inn = getattr(bank, name).shape[2]
+        inputs = {name: getattr(bank, name).shape[2] for name in _projections(cfg)}
+        if cfg.shared and layer.shared is not None:
+            inputs["shared down"] = layer.shared.down.shape[2]
+        for name, inn in inputs.items():
             if cfg.group <= 0 or inn % cfg.group:
                 raise PassError(
                     f"group={cfg.group} does not divide the {inn} inputs of {name}; use a divisor of "
-                    f"{bank.hidden_size} and {bank.width}, or -1 (whole rows)"
+                    f"{', '.join(str(v) for v in sorted(set(inputs.values())))}, or -1 (whole rows)"
                 )
+
+
+def _targets(layer: MoELayer, cfg: CodequantConfig) -> list[tuple[str, str]]:
+    """``(bank, projection)`` pairs to quantise: the routed experts' (per ``scope``), and the shared
+    expert's gate/up/down when ``shared`` is on."""
+    out = [("experts", name) for name in _projections(cfg)]
+    if cfg.shared and layer.shared is not None:
+        out += [("shared", name) for name in ("gate", "up", "down")]
+    return out
 
 
 def _members(layer: MoELayer, cfg: CodequantConfig) -> tuple[list[int], frozenset[int], int]:
@@ -190,44 +204,40 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     rotated = layer if r is None else layer.replace(experts=rotate_bank(bank, r, protected))
     if cfg.eval_act_bits is not None:
         rotated = rotated.replace(experts=dataclasses.replace(rotated.experts, act_bits=cfg.eval_act_bits))
-    idx = torch.tensor(ids, dtype=torch.long)
-    parts, scales = {}, {}
-    for name in _projections(cfg):
-        w = getattr(rotated.experts, name).dense()[idx].float()
-        w = w[:, :, :live] if name == "down" else w[:, :live]  # pruned experts: the live part only
+    parts = {}
+    for bank_name, name in _targets(layer, cfg):
+        src = getattr(rotated, bank_name)
+        part = {"proj": name, "ids": ids, "live": live} if bank_name == "experts" else {
+            "proj": name, "ids": [0], "live": src.width}  # fmt: skip
+        w = getattr(src, name).dense()
+        w = w[torch.tensor(part["ids"])].float()
+        w = w[:, :, : part["live"]] if name == "down" else w[:, : part["live"]]  # pruned: live part only
         gs = w.shape[2] if cfg.group == -1 else cfg.group
         cents, codes = cluster(w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed)
-        scales[name] = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits) if name != "down" else None
-        if scales[name] is not None:
-            codes = reassign(w, cents, scales[name])
-        parts[name] = {"w": w, "cents": cents, "codes": codes}
+        scale = None
+        if bank_name == "experts" and name != "down":
+            scale = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits)
+        if scale is not None:
+            codes = reassign(w, cents, scale)
+        parts[bank_name, name] = {**part, "w": w, "cents": cents, "codes": codes, "scale": scale}
+    steps = cfg.finetune_steps if parts and (ids or layer.shared is not None) else 0
     info.update(
         finetune(
-            layer,
-            rotated,
-            parts,
-            ids,
-            x_fit,
-            x_val,
-            steps=cfg.finetune_steps if ids else 0,
-            live=live,
-            lr=cfg.finetune_lr,
-            kl_weight=cfg.kl_weight,
-            scales=scales,
+            layer, rotated, parts, x_fit, x_val, steps=steps, lr=cfg.finetune_lr, kl_weight=cfg.kl_weight
         )
     )
-    new = {}
-    for name, p in parts.items():
-        dense = getattr(rotated.experts, name).dense()
-        new[name] = Codebook.build(
-            dict(zip(ids, p["codes"])),
-            dict(zip(ids, p["cents"])),
-            {e: dense[e] for e in protected},
-            cfg.bits,
-            dense,
+    new: dict[str, dict] = {"experts": {}, "shared": {}}
+    for (bank_name, name), p in parts.items():
+        dense = getattr(getattr(rotated, bank_name), name).dense()
+        exact = {e: dense[e] for e in range(dense.shape[0]) if e not in p["ids"]}
+        new[bank_name][name] = Codebook.build(
+            dict(zip(p["ids"], p["codes"])), dict(zip(p["ids"], p["cents"])), exact, cfg.bits, dense
         )
-    out_bank = dataclasses.replace(rotated.experts, **new)
+    out_bank = dataclasses.replace(rotated.experts, **new["experts"])
+    shared = rotated.shared if not new["shared"] else dataclasses.replace(rotated.shared, **new["shared"])
     logical = 3 * bank.num_experts * bank.width * bank.hidden_size
     info.update(bytes_after=out_bank.nbytes(), routed_params=logical, quantised_experts=len(ids))
     info["bytes_per_param"] = info["bytes_after"] / logical
-    return layer.replace(experts=out_bank), info
+    if layer.shared is not None:
+        info.update(shared_bytes_before=layer.shared.nbytes(), shared_bytes_after=shared.nbytes())  # type: ignore[union-attr]
+    return layer.replace(experts=out_bank, shared=shared), info

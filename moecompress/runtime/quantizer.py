@@ -4,9 +4,10 @@
 ``transformers.quantizers.register_quantization_config`` / ``register_quantizer``. When
 ``AutoModelForCausalLM.from_pretrained`` meets such a checkpoint, it builds the stock model on the
 meta device and calls :meth:`MoecompressQuantizer._process_model_before_weight_loading`, which swaps
-each described layer's experts module *instance* for a :class:`CompressedExperts` whose parameters
-and buffers are exactly the stored tensors (``docs/format.md``); transformers then loads them by name.
-The router, attention and shared experts stay transformers' own modules. No class is patched.
+each described layer's experts module *instance* for a :class:`CompressedExperts` (and a compressed
+shared expert's for a :class:`CompressedShared`) whose parameters and buffers are exactly the stored
+tensors (``docs/format.md``); transformers then loads them by name. The router, attention and dense
+shared experts stay transformers' own modules. No class is patched.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION, PROJ, decode_bank
 from moecompress.layouts import LAYOUTS
-from moecompress.reference import experts_forward
+from moecompress.reference import expert_forward, experts_forward
 
 METHOD = "moecompress"
 
@@ -85,6 +86,16 @@ class CompressedExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
+class CompressedShared(CompressedExperts):
+    """A shared expert stored in a moecompress layout; called like transformers' shared-expert MLPs:
+    ``shared(hidden_states [..., H]) -> [..., H]`` (any gate, e.g. Qwen2-MoE's, stays outside)."""
+
+    def forward(self, hidden_states: torch.Tensor):  # type: ignore[override]
+        bank, _ = self.bank()
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return expert_forward(bank, 0, x).reshape(hidden_states.shape).to(hidden_states.dtype)
+
+
 def _tensor_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:
     shapes = meta.get("tensor_shapes")
     if shapes:
@@ -128,6 +139,8 @@ class MoecompressQuantizer(HfQuantizer):
             layer = model.model.layers[int(i)]
             moe = getattr(layer, adapter.module_attr)
             moe.experts = CompressedExperts(desc, int(config.hidden_size))
+            if "shared" in desc:
+                setattr(moe, adapter.shared_name, CompressedShared(desc["shared"], int(config.hidden_size)))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
