@@ -184,6 +184,8 @@ def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
             "routed_bytes_per_param": after / params if params else 0.0,
             "routed_bits_per_param": 8 * after / params if params else 0.0,
             "routed_fraction_removed": 0.0,
+            "shared_bytes_before": sum(infos[i].get("shared_bytes_before", 0) for i in layers),
+            "shared_bytes_after": sum(infos[i].get("shared_bytes_after", 0) for i in layers),
             "per_layer": per_layer,
         },
         "warnings": warnings,
