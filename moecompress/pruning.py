@@ -311,3 +311,20 @@ def summarize_pruning(infos: dict[int, dict], cfg: NeuronPruneOptions) -> dict:
              "data": [infos[i]["widths"] for i in layers], "xlabel": "expert", "ylabel": "MoE layer (order)"},
         ] if layers else [],
     }  # fmt: skip
+
+
+def one_width_members(layer: MoELayer, step: str, verb: str) -> tuple[list[int], list[int], int]:
+    """``(unprotected physical experts, protected ones, the unprotected experts' live width)`` for a
+    step (``tdmoe``, ``codequant``) that needs every expert it changes at one width: a dense bank, or a
+    uniformly pruned one whose protected experts kept their full width. Other ragged banks fail."""
+    bank = layer.experts
+    protected = sorted({layer.physical(e) for e in layer.protected})
+    members = [e for e in range(bank.num_experts) if e not in protected]
+    widths = {bank.width_of(e) for e in members}
+    if len(widths) > 1:
+        raise PassError(
+            f"the {verb} experts have different widths {sorted(widths)}; {step} needs one width (prune with "
+            "heapr layout: uniform)"
+        )
+    return members, protected, widths.pop() if widths else bank.width
+

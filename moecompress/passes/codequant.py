@@ -61,6 +61,7 @@ from moecompress.codebook import Codebook
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts import Dense, Ragged
+from moecompress.pruning import one_width_members
 from moecompress.quantize import cluster, finetune, gate_up_scales, reassign, rotate_bank
 from moecompress.registry import LayerStats, PassConfig, register_pass
 from moecompress.rotation import hadamard, learn_rotation, quant_error
@@ -128,21 +129,12 @@ def _targets(layer: MoELayer, cfg: CodequantConfig) -> list[tuple[str, str]]:
 
 def _members(layer: MoELayer, cfg: CodequantConfig) -> tuple[list[int], frozenset[int], int]:
     """Quantised and exact (protected) physical experts, and the quantised experts' live width."""
-    bank = layer.experts
-    protected = frozenset(layer.physical(e) for e in layer.protected)
-    ids = [e for e in range(bank.num_experts) if e not in protected]
-    widths = {bank.width_of(e) for e in ids}
-    if len(widths) > 1:
-        raise PassError(
-            f"the quantised experts have different widths {sorted(widths)}; codequant needs one width (prune "
-            "with heapr layout: uniform)"
-        )
-    live = widths.pop() if widths else bank.width
+    ids, protected, live = one_width_members(layer, "codequant", "quantised")
     if cfg.group != -1 and "down" in _projections(cfg) and live % cfg.group:
         raise PassError(
             f"group={cfg.group} does not divide the pruned experts' width {live}; use -1 or a divisor"
         )
-    return ids, protected, live
+    return ids, frozenset(protected), live
 
 
 def _rotation(layer: MoELayer, x: torch.Tensor, cfg: CodequantConfig, info: dict) -> torch.Tensor | None:

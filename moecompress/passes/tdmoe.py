@@ -47,6 +47,7 @@ from tensorly.decomposition import tucker
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts import Dense, Ragged
+from moecompress.pruning import one_width_members
 from moecompress.reference import moe_forward
 from moecompress.registry import LayerStats, PassConfig, register_pass
 from moecompress.tucker import Tucker
@@ -107,20 +108,6 @@ def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: 
     return torch.from_numpy(np.ascontiguousarray(core)), [
         torch.from_numpy(np.ascontiguousarray(f)) for f in factors
     ]
-
-
-def _members(layer: MoELayer) -> tuple[list[int], list[int], int]:
-    """Decomposed and dense (protected) physical experts, and the decomposed experts' live width."""
-    bank = layer.experts
-    protected = {layer.physical(e) for e in layer.protected}
-    members = [e for e in range(bank.num_experts) if e not in protected]
-    widths = {bank.width_of(e) for e in members}
-    if len(widths) > 1:
-        raise PassError(
-            f"decomposed experts have different widths {sorted(widths)}; tdmoe needs one width (prune with "
-            "heapr layout: uniform)"
-        )
-    return members, sorted(protected), widths.pop() if widths else bank.width
 
 
 def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
@@ -195,7 +182,7 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     """Decompose each projection of the routed experts with a shared Tucker basis (TD-MoE)."""
     _check(layer, cfg)
     bank = layer.experts
-    members, dense_ids, live = _members(layer)
+    members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
     if not members:
         return layer, {"skipped": "every expert is protected"}
     ratio = cfg.ratio if stats.plan is None else float(stats.plan)
