@@ -109,7 +109,7 @@ def check_mergeable(layer: MoELayer, cfg: MergeOptions) -> int:
     bank, spec = layer.experts, layer.router
     if layer.expert_map is not None:
         raise PassError("the experts are already merged (expert_map); merge once, with the combined ratio")
-    if getattr(bank, "rotation", None) is not None or getattr(bank, "act_bits", None) is not None:
+    if bank.rotation is not None or bank.act_bits is not None:
         raise PassError("the experts are rotated/quantised; merge before codequant or any quantisation")
     pruned = bank.widths is not None and (
         bank.widths.device.type == "meta" or bool((bank.widths < bank.width).any())

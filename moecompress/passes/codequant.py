@@ -198,6 +198,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     rotated = layer if r is None else layer.replace(experts=rotate_bank(bank, r, protected))
     if cfg.eval_act_bits is not None:
         rotated = rotated.replace(experts=dataclasses.replace(rotated.experts, act_bits=cfg.eval_act_bits))
+    gate_up_scale = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits)  # B/A, once for gate and up
     parts = {}
     for bank_name, name in _targets(layer, cfg):
         src = getattr(rotated, bank_name)
@@ -208,9 +209,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
         w = w[:, :, : part["live"]] if name == "down" else w[:, : part["live"]]  # pruned: live part only
         gs = w.shape[2] if cfg.group == -1 else cfg.group
         cents, codes = cluster(w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed)
-        scale = None
-        if bank_name == "experts" and name != "down":
-            scale = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits)
+        scale = gate_up_scale if bank_name == "experts" and name != "down" else None
         if scale is not None:
             codes = reassign(w, cents, scale)
         parts[bank_name, name] = {**part, "w": w, "cents": cents, "codes": codes, "scale": scale}
