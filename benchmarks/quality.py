@@ -15,7 +15,7 @@ the step and ``mc.evaluate`` compares the result with the base model on the held
 of every corpus file, as in RESULTS.md's reference evaluation. Every run of a model shares one
 calibration config (the corpus files' training split) and one ``cache_dir`` under ``--work``, so
 statistics are computed once per model and statistics set. Methods whose pass is not registered
-(``moecompress.registry.available_passes()``) are skipped with a note; output checkpoints are deleted
+(``moecompress.passes.BUILTIN_PASSES``) are skipped with a note; output checkpoints are deleted
 after evaluation. "Removed" fractions come from the step report: routed-expert parameters from the
 pass's ``summary.routed_fraction_removed``, whole-model from ``model_params_before/after``. "wall s" is the whole ``mc.apply`` (calibration
 included unless cached; "cal s" is that part), evaluation excluded.
@@ -33,7 +33,7 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 import moecompress as mc
-from moecompress.registry import available_passes
+from moecompress.passes import BUILTIN_PASSES
 
 MODELS = ["ref-qwen3moe", "ref-mixtral", "ref-deepseekv3"]
 METHODS = {
@@ -130,7 +130,7 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     ev = {"texts": corpus, "max_tokens": args.eval_tokens, "seq_len": args.seq_len}
-    have = set(available_passes())
+    have = set(BUILTIN_PASSES)
     methods = []
     for label in args.methods:
         name = next(iter(METHODS[label](4 if label in QUANT else 0.5)))

@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from moecompress.codebook import Codebook
-from moecompress.scalarq import RTN
+from moecompress.layouts.codebook import Codebook
+from moecompress.layouts.rtn import RTN
 
 SHAPES = {  # name: (hidden H, expert width I, experts per layer E)
     "Qwen3-30B-A3B": (2048, 768, 128),

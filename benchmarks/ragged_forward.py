@@ -27,7 +27,8 @@ import time
 import torch
 
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import Dense, Ragged
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
 from moecompress.reference import moe_forward
 
 

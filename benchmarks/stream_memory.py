@@ -79,25 +79,25 @@ def reset_peak():
 
 import torch, transformers  # noqa: F401
 import moecompress
-import moecompress.executor, moecompress.layer_loop, moecompress.skeleton  # noqa: F401
+import moecompress.engine.executor, moecompress.engine.run, moecompress.calibration.skeleton  # noqa: F401
 import moecompress.calibration.sweep  # noqa: F401
-from moecompress.registry import PassConfig, register_pass
+from moecompress.engine.spec import PassConfig, PassSpec
 
 class GradProbeConfig(PassConfig):
     pass
 
-@register_pass("grad_probe", GradProbeConfig, needs={"grad_sq_mean", "act_sq_mean"},
-               modifies_experts=False, report_only=True)
 def grad_probe(layer, stats, cfg):
     "Report the sum of the per-neuron mean squared gradients (benchmark probe)."
     return layer, {"grad_sq_mean_total": float(stats["grad_sq_mean"].sum())}
+
+PROBE = PassSpec("grad_probe", GradProbeConfig, grad_probe, needs={"grad_sq_mean", "act_sq_mean"}, report_only=True)
 
 mode, recipe_path = sys.argv[1], sys.argv[2]
 base = status("VmHWM")
 t0 = time.perf_counter()
 out = {"base": base}
 if mode == "apply":
-    res = moecompress.apply(recipe_path, progress=False)
+    res = moecompress.apply(recipe_path, passes=[PROBE], progress=False)
     out["wall"] = time.perf_counter() - t0
     out["peak"] = status("VmHWM")
     out["rss_end"] = status("VmRSS")
@@ -110,13 +110,14 @@ if mode == "apply":
 elif mode == "phases":
     from moecompress.calibration.cache import StatsCache, model_key, save_layer
     from moecompress.calibration.sources import load_token_ids
-    from moecompress.calibration.stats import ALWAYS
+    from moecompress.calibration.catalogue import ALWAYS
     from moecompress.calibration.sweep import Batches, run_calibration
-    from moecompress.executor import compute_dtype, dry_run
+    from moecompress.engine.context import RunContext
+    from moecompress.engine.dry_run import dry_run
     from moecompress.io.checkpoint import open_checkpoint
-    from moecompress.layer_loop import run_layer_loop
-    from moecompress.recipe import load_recipe
-    from moecompress.skeleton import Skeleton
+    from moecompress.engine.run import RecipeRun
+    from moecompress.engine.recipe import load_recipe, pass_table
+    from moecompress.calibration.skeleton import Skeleton
 
     phases = []
     can_reset = reset_peak()
@@ -127,7 +128,7 @@ elif mode == "phases":
                        "t": round(time.perf_counter() - t0, 2)})
         reset_peak()
 
-    rec = load_recipe(recipe_path)
+    rec = load_recipe(recipe_path, passes=pass_table([PROBE]))
     mark("load_recipe")
     ckpt = open_checkpoint(rec.model)
     mark("open_checkpoint")
@@ -138,7 +139,8 @@ elif mode == "phases":
     needs = set(rec.needs) | ALWAYS
     cache = StatsCache(c.cache_dir, model_key(ckpt), {"profile": True})
     entry = cache.begin(needs)
-    skel = Skeleton(ckpt, compute_dtype(rec, ckpt))
+    ctx = RunContext.for_recipe(rec, ckpt, progress=False)
+    skel = Skeleton(ckpt, ctx.dtype)
     mark("token ids + Skeleton (meta model, embeddings)")
 
     def fwd(i, s):
@@ -156,8 +158,9 @@ elif mode == "phases":
     del skel
     entry = cache.finish(entry, needs, summary)
     mark("calibration tail")
-    rep = run_layer_loop(rec, ckpt, entry, {}, calib=summary, resume=False, overwrite=False,
-                         progress=False, started=t0, dry=plan)
+    run = RecipeRun(rec, ckpt, entry, {}, ctx, None)
+    run.loop()
+    rep = run.finish(summary, t0, plan)
     mark("layer loop (read, steps, write, reports)")
     out["phases"] = phases
     out["step_seconds"] = {s["name"]: s["seconds"] for s in rep["steps"]}

@@ -5,7 +5,7 @@
 
 One MoE layer with Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of width 768, top-8; random fp32
 weights and router) runs through the reference forward (:func:`moecompress.reference.moe_forward`,
-the CPU path of the moecompress quantizer) dense and in the :class:`~moecompress.tucker.Tucker`
+the CPU path of the moecompress quantizer) dense and in the :class:`~moecompress.layouts.tucker.Tucker`
 layout with the ranks ``tdmoe`` allocates for each ratio (``tucker_ranks``: expert mode kept, the
 per-expert cores folded). Timing does not depend on the factor values, so the factors are random
 with the right shapes (decomposing a 30B layer is not what is measured here). Prints the median of
@@ -20,9 +20,9 @@ import torch
 from ragged_forward import layer_args, timed  # this folder's sibling script
 
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.tucker import Tucker
 from moecompress.passes.tdmoe import tucker_ranks
-from moecompress.tucker import Tucker
 
 
 def tucker_layout(e: int, out: int, inp: int, ratio: float, gen: torch.Generator) -> Tucker:

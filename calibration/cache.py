@@ -89,19 +89,12 @@ def save_layer(entry: Path, i: int, stats: dict[str, torch.Tensor], grad: bool =
     os.replace(tmp, entry / name)
 
 
-def load_layer(
-    entry: Path, i: int, names: set[str] | frozenset[str] | None = None
-) -> dict[str, torch.Tensor]:
+def load_layer(entry: Path, i: int) -> dict[str, torch.Tensor]:
+    """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files); a step sees
+    only the part it declared (:meth:`moecompress.engine.spec.LayerStats.view`)."""
     out: dict[str, torch.Tensor] = {}
     for suffix in ("", ".grad"):
         path = entry / f"layer-{i:03d}{suffix}.safetensors"
         if path.is_file():
             out.update(load_file(str(path)))
-    if names is not None:
-        keep = set(names) | {"holdout_x"}
-        if "io_sample" in keep:
-            keep |= {"io_sample_x", "io_sample_y"}
-        if "down_out_absmax" in keep or "down_out_argmax" in keep:
-            keep |= {"down_out_absmax", "down_out_argmax"}
-        out = {k: v for k, v in out.items() if k in keep}
     return out

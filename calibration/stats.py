@@ -1,4 +1,5 @@
-"""The statistics catalogue, and the collector that gathers it inside the reference MoE forward.
+"""The collector that gathers the statistics of :mod:`moecompress.calibration.catalogue` inside the
+reference MoE forward.
 
 transformers 5 runs experts as fused 3-D parameters with no per-expert modules, so nothing can be
 hooked by name; moecompress computes its statistics in its own canonical forward
@@ -15,48 +16,11 @@ physical expert ids for expert internals (identical unless experts were merged).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from moecompress.calibration.catalogue import ALWAYS
 from moecompress.ir import MoELayer
-
-
-@dataclass(frozen=True)
-class StatInfo:
-    kind: str  # "forward" | "backward"
-    shape: str
-    doc: str
-
-
-CATALOGUE: dict[str, StatInfo] = {
-    "expert_counts": StatInfo("forward", "[E]", "tokens routed to each expert"),
-    "router_prob_mean": StatInfo("forward", "[E]", "mean over tokens of softmax(router logits)"),
-    "router_entropy": StatInfo("forward", "[]", "mean per-token entropy (nats) of softmax(router logits)"),
-    "expert_out_norm_mean": StatInfo("forward", "[E]", "mean over routed tokens of ||y||_2"),
-    "reap_saliency": StatInfo("forward", "[E]", "mean over routed tokens of routing weight * ||y||_2 (REAP)"),
-    "act_sq_mean": StatInfo("forward", "[E, I]", "mean over routed tokens of h^2, per neuron"),
-    "expert_in_sq_mean": StatInfo("forward", "[E, H]", "mean over routed tokens of x^2, per input channel"),
-    "down_out_absmax": StatInfo("forward", "[E]", "max |y| over routed tokens and channels"),
-    "down_out_argmax": StatInfo("forward", "[E]", "channel of down_out_absmax"),
-    "shared_down_out_absmax": StatInfo("forward", "[S]", "max |y| of the shared expert(s)"),
-    "shared_down_out_argmax": StatInfo("forward", "[S]", "channel of shared_down_out_absmax"),
-    "input_cov": StatInfo("forward", "[H, H]", "E[x x^T] over all tokens (uncentred)"),
-    "down_in_cov": StatInfo("forward", "[E, I, I]", "E[h h^T] per expert over its routed tokens"),
-    "down_in_cov_pooled": StatInfo("forward", "[I, I]", "E[h h^T] over all routed (token, expert) pairs"),
-    "io_sample": StatInfo("forward", "[N, H] x2", "first N calibration tokens' MoE inputs and outputs"),
-    "grad_sq_mean": StatInfo("backward", "[E, I]", "mean over routed tokens of (dl/dh)^2, per neuron"),
-    "out_grad_cov": StatInfo("backward", "[H, H]", "E[g g^T], g = dl/d(MoE output), over all tokens"),
-    "down_in_grad_cov_pooled": StatInfo("backward", "[I, I]", "E[g_h g_h^T] over routed pairs, g_h = dl/dh"),
-}
-"""Every statistic a pass may declare in ``needs``. ``io_sample`` yields ``io_sample_x``/``io_sample_y``."""
-
-ALWAYS = frozenset({"expert_counts", "router_prob_mean", "router_entropy"})
-"""Collected in every run (cheap; used by reports and the no-token-expert warnings)."""
-
-
-def backward_needed(names: set[str] | frozenset[str]) -> bool:
-    return any(CATALOGUE[n].kind == "backward" for n in names)
 
 
 class StatsCollector:

@@ -24,9 +24,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from moecompress.calibration.stats import StatsCollector, backward_needed
+from moecompress.calibration.catalogue import backward_needed
+from moecompress.calibration.skeleton import Skeleton
+from moecompress.calibration.stats import StatsCollector
 from moecompress.ir import MoELayer
-from moecompress.skeleton import Skeleton
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,13 @@ Public API (importing this package never loads weights and never imports triton)
 
 from __future__ import annotations
 
+from moecompress._version import __version__
+from moecompress.engine.executor import RunResult
+from moecompress.engine.executor import apply as _apply
+from moecompress.engine.executor import calibrate as _calibrate
+from moecompress.engine.layer_loop import rewrite_checkpoint
+from moecompress.engine.recipe import Recipe, load_recipe, parse_override
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import (
     AdapterError,
     CheckpointError,
@@ -17,12 +24,11 @@ from moecompress.errors import (
     MoecompressError,
     OutputExistsError,
 )
-from moecompress.io.checkpoint import Checkpoint, open_checkpoint, rewrite_checkpoint
+from moecompress.io.checkpoint import Checkpoint, open_checkpoint
 from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
 from moecompress.layouts import Dense, Layout
+from moecompress.passes import BUILTIN_PASSES
 from moecompress.reference import moe_forward, route
-
-__version__ = "0.1.0"
 
 # `import moecompress` lets plain `AutoModelForCausalLM.from_pretrained` load moecompress-format
 # checkpoints, through transformers' public quantizer registration (no patching).
@@ -31,26 +37,26 @@ from moecompress.runtime.quantizer import register as _register_quantizer
 _register_quantizer()
 
 
-def apply(recipe, overrides=(), *, dry_run=False, resume=False, overwrite=False, progress=True, **fields):
-    """Run a recipe (path, dict or :class:`~moecompress.recipe.Recipe`) and return a ``RunResult``.
+def apply(
+    recipe, overrides=(), *, passes=(), dry_run=False, resume=False, overwrite=False, progress=True, **fields
+) -> RunResult:
+    """Run a recipe (path, dict or :class:`~moecompress.engine.recipe.Recipe`) and return a ``RunResult``.
 
     ``overrides`` are ``"key=value"`` strings or a ``{"dotted.key": value}`` mapping; extra keyword
-    arguments are top-level overrides with ``__`` for dots (``calibration__samples=16``).
+    arguments are top-level overrides with ``__`` for dots (``calibration__samples=16``). ``passes``:
+    extra steps (a list of :class:`PassSpec`) besides :data:`BUILTIN_PASSES`.
     """
-    from moecompress.executor import apply as _apply
-
     if fields:
-        from moecompress.recipe import _parse_override
-
         merged = (
             dict(overrides)
             if isinstance(overrides, dict)
-            else {".".join(k): v for k, v in map(_parse_override, overrides)}
+            else {".".join(k): v for k, v in map(parse_override, overrides)}
         )
         overrides = {**merged, **{k.replace("__", "."): v for k, v in fields.items()}}
     return _apply(
-        recipe, overrides, dry_run_only=dry_run, resume=resume, overwrite=overwrite, progress=progress
-    )
+        recipe, overrides, passes=passes, dry_run_only=dry_run, resume=resume, overwrite=overwrite,
+        progress=progress,
+    )  # fmt: skip
 
 
 def load(path, *, dtype=None, device="cpu"):
@@ -62,20 +68,19 @@ def load(path, *, dtype=None, device="cpu"):
 
 def evaluate(model, *, against=None, texts=None, max_tokens=8192, seq_len=256, **kwargs):
     """Perplexity, tokens/s and, with ``against``, KL and top-1 agreement on held-out text (a JSON-able
-    dict); see :func:`moecompress.evaluation.evaluate`."""
-    from moecompress.evaluation import evaluate as _evaluate
+    dict); see :func:`moecompress.tools.evaluation.evaluate`."""
+    from moecompress.tools.evaluation import evaluate as _evaluate
 
     return _evaluate(model, against=against, texts=texts, max_tokens=max_tokens, seq_len=seq_len, **kwargs)
 
 
-def calibrate(recipe, overrides=(), *, progress=True):
+def calibrate(recipe, overrides=(), *, passes=(), progress=True):
     """Compute (or find cached) calibration statistics only; returns the cache entry directory."""
-    from moecompress.executor import calibrate as _calibrate
-
-    return _calibrate(recipe, overrides, progress=progress)
+    return _calibrate(recipe, overrides, passes=passes, progress=progress)
 
 
 __all__ = [
+    "BUILTIN_PASSES",
     "Act",
     "AdapterError",
     "Checkpoint",
@@ -84,17 +89,23 @@ __all__ = [
     "ExpertBank",
     "Gating",
     "GroupScore",
+    "LayerStats",
     "Layout",
     "LayoutError",
     "MoELayer",
     "MoecompressError",
     "OutputExistsError",
+    "PassConfig",
+    "PassSpec",
+    "Recipe",
     "RouterSpec",
+    "RunResult",
     "__version__",
     "apply",
     "calibrate",
     "evaluate",
     "load",
+    "load_recipe",
     "moe_forward",
     "open_checkpoint",
     "rewrite_checkpoint",

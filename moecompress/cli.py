@@ -36,7 +36,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
-    from moecompress.io.checkpoint import rewrite_checkpoint
+    from moecompress.engine.layer_loop import rewrite_checkpoint
 
     out = rewrite_checkpoint(
         args.model,
@@ -51,7 +51,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    from moecompress.executor import apply
+    from moecompress.engine.executor import apply
 
     result = apply(
         args.recipe,
@@ -64,6 +64,9 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     if result.dry_run:
         print(json.dumps(result.report["dry_run"], indent=2))
         return 0
+    if result.resumed_finished:
+        print(f"{result.output_dir} is already finished by this recipe; nothing to do")
+        return 0
     report = result.output_dir / "report.md"
     print(f"wrote {result.output_dir} (report: {report})")
     for w in result.report.get("warnings", []):
@@ -72,7 +75,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from moecompress.executor import calibrate
+    from moecompress.engine.executor import calibrate
 
     print(calibrate(args.recipe, args.set or [], progress=not args.quiet))
     return 0
@@ -97,7 +100,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moecompress.evaluation import EvaluationError, evaluate
+    from moecompress.tools.evaluation import EvaluationError, evaluate
 
     if args.quiet:
         from transformers.utils import logging as hf_logging
@@ -125,7 +128,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from moecompress.io.push import push
+    from moecompress.hub.push import push
 
     token = args.token or os.environ.get("HF_TOKEN") or None
     summary = push(args.path, args.repo_id, private=args.private, dry_run=args.dry_run, token=token)
@@ -134,7 +137,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from moecompress.inspect import format_report, inspect_checkpoint
+    from moecompress.tools.inspect import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(args.model, align=args.align, load=args.load)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -47,3 +47,13 @@ class MissingStatError(MoecompressError):
 
 class ResumeError(MoecompressError):
     """``--resume`` cannot continue: no partial run, or it belongs to a different recipe."""
+
+
+class MethodError(MoecompressError):
+    """A method cannot meet its settings on this input (a ratio, a rank, a group count): raised by the
+    pure maths of :mod:`moecompress.methods`; the engine adds the step and layer to the message."""
+
+
+class MissingExtraError(MoecompressError):
+    """A step or command needs an optional dependency that is not installed; the message names the
+    ``pip install "moecompress[extra]"`` that brings it."""

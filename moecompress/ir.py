@@ -18,7 +18,7 @@ from enum import Enum
 import torch
 
 from moecompress.errors import LayoutError
-from moecompress.layouts import Layout
+from moecompress.layouts.base import Layout
 
 
 class Gating(str, Enum):
@@ -249,3 +249,29 @@ class MoELayer:
     def replace(self, **changes) -> MoELayer:
         """``dataclasses.replace`` as a method, for readability in passes."""
         return dataclasses.replace(self, **changes)
+
+
+def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
+    """``layer`` with its dense weights in ``dtype`` (calibration compute dtype)."""
+
+    def bank(b: ExpertBank | None) -> ExpertBank | None:
+        if b is None:
+            return None
+        return dataclasses.replace(
+            b,
+            gate=b.gate.cast(dtype),
+            up=b.up.cast(dtype),
+            down=b.down.cast(dtype),
+            biases={k: v.to(dtype) for k, v in b.biases.items()},
+        )  # a rotation stays float32: rounding it would break the rotated weights' exactness
+
+    def t(x):
+        return None if x is None else x.to(dtype) if x.is_floating_point() else x
+
+    return layer.replace(
+        experts=bank(layer.experts),
+        shared=bank(layer.shared),
+        router_weight=t(layer.router_weight),
+        router_bias=t(layer.router_bias),
+        shared_gate=t(layer.shared_gate),
+    )

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
-from moecompress.rotation import fake_quant_tokens
+from moecompress.methods.rotation import fake_quant_tokens
 
 
 def router_logits(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:

@@ -128,8 +128,8 @@ def reference_logits(original: str | Path, ckpt_dir: str | Path, ids: torch.Tens
     """Logits of transformers' stock model of ``original`` with every MoE block replaced by the
     reference forward of the layer read back from ``ckpt_dir`` (the layer-wise oracle a compressed
     checkpoint loaded through the quantizer must match)."""
+    from moecompress.calibration.skeleton import InstrumentedMoE
     from moecompress.io.checkpoint import open_checkpoint
-    from moecompress.skeleton import InstrumentedMoE
 
     ckpt = open_checkpoint(ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(original).eval()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecompress.bitpack import pack_bits, packed_size, unpack_bits
 from moecompress.errors import LayoutError
+from moecompress.layouts.bitpack import pack_bits, packed_size, unpack_bits
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -18,10 +18,10 @@ from huggingface_hub.utils import filter_repo_objects
 import moecompress
 from moecompress.cli import main
 from moecompress.errors import CheckpointError, MoecompressError, OutputExistsError
-from moecompress.io import card as card_mod
-from moecompress.io import push as push_mod
-from moecompress.io.card import base_repo_id, card_inputs, front_matter, model_card, write_model_card
-from moecompress.io.push import HubError, check_repo_id, push, upload_files
+from moecompress.hub import card as card_mod
+from moecompress.hub import push as push_mod
+from moecompress.hub.card import base_repo_id, card_inputs, front_matter, model_card, write_model_card
+from moecompress.hub.push import HubError, check_repo_id, push, upload_files
 from moecompress.testing import save_tiny
 
 TOKEN = "hf_SECRET123"

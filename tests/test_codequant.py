@@ -11,15 +11,18 @@ import torch
 from tiny import reference_logits, save_tiny
 
 import moecompress as mc
-from moecompress.codebook import Codebook, kmeans_1d, nearest
+from moecompress.engine.spec import LayerStats
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import LAYOUTS, Dense, Ragged
+from moecompress.layouts import LAYOUTS
+from moecompress.layouts.codebook import Codebook
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.methods.codebooks import rotate_bank
+from moecompress.methods.kmeans import kmeans_1d, nearest
+from moecompress.methods.rotation import hadamard, learn_rotation, quant_error
 from moecompress.passes.codequant import CodequantConfig, codequant
-from moecompress.quantize import rotate_bank
 from moecompress.reference import moe_forward
-from moecompress.registry import LayerStats
-from moecompress.rotation import hadamard, learn_rotation, quant_error
 
 CAL = {"source": "random", "samples": 8, "seq_len": 32, "batch_size": 4}
 E, W, H = 4, 16, 32

@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM
 
 import moecompress as mc
 from moecompress.cli import main as cli_main
-from moecompress.io.checkpoint import rewrite_checkpoint
+from moecompress.engine.layer_loop import rewrite_checkpoint
+from moecompress.engine.spec import LayerStats
 from moecompress.io.compressed_tensors import ExportError, export
+from moecompress.methods.scalar_quant import quantize
 from moecompress.passes.rtn import RtnConfig, rtn
-from moecompress.registry import LayerStats
-from moecompress.scalarq import quantize
 
 ct = pytest.importorskip("compressed_tensors")
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))

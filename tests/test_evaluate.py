@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from moecompress.calibration.builtin_text import builtin_texts
 from moecompress.cli import main as cli_main
 from moecompress.errors import MoecompressError
-from moecompress.evaluation import _windows, evaluate, held_out_ids
 from moecompress.runtime.loading import load
+from moecompress.tools.evaluation import _windows, evaluate, held_out_ids
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 VOCAB = 300

@@ -11,10 +11,10 @@ from tiny import save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
+from moecompress.engine.spec import PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank
-from moecompress.layouts import Dense
-from moecompress.registry import PassConfig, register_pass
+from moecompress.layouts.dense import Dense
 
 CAL = {"source": "random", "samples": 6, "seq_len": 16, "batch_size": 3}
 
@@ -23,7 +23,6 @@ class _FailCfg(PassConfig):
     layer: int = 1
 
 
-@register_pass("test_fail_at_layer", _FailCfg)
 def _fail(layer, stats, cfg):
     """Test-only: fails on one layer."""
     if layer.index == cfg.layer:
@@ -35,13 +34,23 @@ class _ZeroCfg(PassConfig):
     pass
 
 
-@register_pass("test_zero_expert0", _ZeroCfg, needs={"act_sq_mean"})
 def _zero(layer, stats, cfg):
     """Test-only: zeroes expert 0's down projection (a lossy step with a visible error)."""
     w = layer.experts.down.weight.clone()
     w[0] = 0
     bank = ExpertBank(layer.experts.gate, layer.experts.up, Dense(w))
     return layer.replace(experts=bank), {"act_sq_sum": float(stats["act_sq_mean"].sum())}
+
+
+# test-only steps, given to apply() as plugins (nothing is registered process-wide)
+PASSES = [
+    PassSpec("test_fail_at_layer", _FailCfg, _fail),
+    PassSpec("test_zero_expert0", _ZeroCfg, _zero, needs={"act_sq_mean"}),
+]
+
+
+def _apply(recipe, **kw):
+    return mc.apply(recipe, passes=PASSES, **kw)
 
 
 @pytest.fixture
@@ -56,7 +65,7 @@ def _recipe(model_dir, out, steps, **kw):
 
 def test_identity_recipe_is_byte_identical_and_loads(tmp_path, model_dir):
     out = tmp_path / "out"
-    res = mc.apply(_recipe(model_dir, out, [{"analyze": {}}, {"identity": {}}]), progress=False)
+    res = _apply(_recipe(model_dir, out, [{"analyze": {}}, {"identity": {}}]), progress=False)
     assert res.output_dir == out
     a, b = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
@@ -76,7 +85,7 @@ def test_identity_recipe_is_byte_identical_and_loads(tmp_path, model_dir):
 
 def test_analyze_report_counts_tokens(tmp_path, model_dir):
     out = tmp_path / "out"
-    mc.apply(_recipe(model_dir, out, [{"analyze": {"top": 2}}]), progress=False)
+    _apply(_recipe(model_dir, out, [{"analyze": {"top": 2}}]), progress=False)
     assert not (out / "model.safetensors").exists(), "a report-only recipe writes no checkpoint"
     rep = json.loads((out / "steps" / "01-analyze" / "report.json").read_text())
     stats_tokens = (CAL["samples"] - max(1, CAL["samples"] // 8)) * CAL["seq_len"]
@@ -89,13 +98,13 @@ def test_analyze_report_counts_tokens(tmp_path, model_dir):
 
 def test_lossy_step_reports_error_and_cache_is_reused(tmp_path, model_dir):
     rec = _recipe(model_dir, tmp_path / "a", [{"test_zero_expert0": {}}])
-    first = mc.apply(rec, progress=False)
+    first = _apply(rec, progress=False)
     rows = json.loads((tmp_path / "a" / "steps" / "01-test_zero_expert0" / "report.json").read_text())[
         "layers"
     ]
     assert all(r["rel_error"] > 0 for r in rows)
     assert not first.report["calibration"]["cached"]
-    second = mc.apply({**rec, "output": str(tmp_path / "b")}, progress=False)
+    second = _apply({**rec, "output": str(tmp_path / "b")}, progress=False)
     assert second.report["calibration"]["cached"]
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -104,7 +113,7 @@ def test_lossy_step_reports_error_and_cache_is_reused(tmp_path, model_dir):
 
 def test_emit_every_step_writes_each_checkpoint(tmp_path, model_dir):
     out = tmp_path / "out"
-    mc.apply(
+    _apply(
         _recipe(model_dir, out, [{"test_zero_expert0": {}}, {"identity": {}}], emit="every_step"),
         progress=False,
     )
@@ -115,9 +124,9 @@ def test_emit_every_step_writes_each_checkpoint(tmp_path, model_dir):
 
 def test_propagate_compressed_with_identity_matches_original(tmp_path, model_dir):
     base = _recipe(model_dir, tmp_path / "a", [{"analyze": {}}, {"identity": {}}])
-    mc.apply(base, progress=False)
+    _apply(base, progress=False)
     comp = {**base, "output": str(tmp_path / "b"), "calibration": {**CAL, "propagate": "compressed"}}
-    mc.apply(comp, progress=False)
+    _apply(comp, progress=False)
     ra = json.loads((tmp_path / "a" / "steps" / "01-analyze" / "report.json").read_text())["layers"]
     rb = json.loads((tmp_path / "b" / "steps" / "01-analyze" / "report.json").read_text())["layers"]
     assert [r["info"]["tokens_per_expert"] for r in ra] == [r["info"]["tokens_per_expert"] for r in rb]
@@ -125,10 +134,10 @@ def test_propagate_compressed_with_identity_matches_original(tmp_path, model_dir
 
 def test_propagate_compressed_changes_later_layers(tmp_path, model_dir):
     steps = [{"test_zero_expert0": {}}, {"analyze": {}}]
-    mc.apply(_recipe(model_dir, tmp_path / "a", steps), progress=False)
+    _apply(_recipe(model_dir, tmp_path / "a", steps), progress=False)
     comp = _recipe(model_dir, tmp_path / "b", steps)
     comp["calibration"]["propagate"] = "compressed"
-    mc.apply(comp, progress=False)
+    _apply(comp, progress=False)
     ra = json.loads((tmp_path / "a" / "steps" / "02-analyze" / "report.json").read_text())["layers"]
     rb = json.loads((tmp_path / "b" / "steps" / "02-analyze" / "report.json").read_text())["layers"]
     assert (
@@ -138,14 +147,14 @@ def test_propagate_compressed_changes_later_layers(tmp_path, model_dir):
 
 
 def test_dry_run_writes_nothing(tmp_path, model_dir):
-    res = mc.apply(_recipe(model_dir, tmp_path / "out", [{"identity": {}}]), dry_run=True, progress=False)
+    res = _apply(_recipe(model_dir, tmp_path / "out", [{"identity": {}}]), dry_run=True, progress=False)
     assert res.dry_run and res.report["dry_run"]["moe_layers"] == [0, 1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_pass_failure_names_step_and_layer_and_keeps_output_absent(tmp_path, model_dir):
     with pytest.raises(PassError, match=r"step 2 \(test_fail_at_layer\), layer 1: deliberate failure"):
-        mc.apply(
+        _apply(
             _recipe(model_dir, tmp_path / "out", [{"identity": {}}, {"test_fail_at_layer": {}}]),
             progress=False,
         )
@@ -154,7 +163,7 @@ def test_pass_failure_names_step_and_layer_and_keeps_output_absent(tmp_path, mod
 
 def test_api_keyword_overrides(tmp_path, model_dir):
     rec = _recipe(model_dir, tmp_path / "out", [{"analyze": {}}])
-    res = mc.apply(rec, dry_run=True, progress=False, calibration__samples=4, emit="every_step")
+    res = _apply(rec, dry_run=True, progress=False, calibration__samples=4, emit="every_step")
     assert res.report["dry_run"]["calibration_tokens"] == 4 * CAL["seq_len"]
 
 
@@ -162,6 +171,6 @@ def test_bf16_checkpoint_identity(tmp_path):
     from moecompress.testing import tiny_model
 
     tiny_model("mixtral", dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
-    mc.apply(_recipe(tmp_path / "m", tmp_path / "out", [{"identity": {}}]), progress=False)
+    _apply(_recipe(tmp_path / "m", tmp_path / "out", [{"identity": {}}]), progress=False)
     a, b = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) and b[k].dtype == a[k].dtype for k in a)

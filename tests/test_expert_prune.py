@@ -13,10 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import moecompress as mc
 from moecompress.calibration.cache import load_layer
+from moecompress.engine.protection import protection_violations
+from moecompress.engine.spec import LayerStats
 from moecompress.errors import PassError
 from moecompress.passes.expert_prune import STAT, ExpertPruneConfig, _summarize, expert_prune
-from moecompress.protection import protection_violations
-from moecompress.registry import LayerStats
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -216,5 +216,5 @@ def test_frequency_ranking_ties_and_protection_on_a_known_case(models):
         expert_prune(layer.replace(expert_map=torch.arange(8)), LayerStats(0, {"expert_counts": counts}), cfg)
 
     rnd = ExpertPruneConfig(ratio=0.5, method="random", seed=1)
-    picks = [expert_prune(layer, LayerStats(0), rnd)[1]["removed_experts"] for _ in range(2)]
+    picks = [expert_prune(layer, LayerStats.view(0, {}, ["expert_counts"]), rnd)[1]["removed_experts"] for _ in range(2)]
     assert picks[0] == picks[1] and len(picks[0]) == 4, "seeded: deterministic"

@@ -12,11 +12,12 @@ from tiny import save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
+from moecompress.calibration.skeleton import InstrumentedMoE, Skeleton
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.errors import PassError
+from moecompress.errors import MethodError, PassError
+from moecompress.methods.widths import Scope, select_widths, uniform_width
 from moecompress.passes.heapr import HeaprConfig
-from moecompress.pruning import NeuronPruneOptions, Scope, select_widths, uniform_width
-from moecompress.skeleton import InstrumentedMoE, Skeleton
+from moecompress.passes.neuron_pruning import NeuronPruneOptions
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 
@@ -173,7 +174,7 @@ def test_align_min_width_and_exempt_experts():
     assert 0 <= (120 - 60) - int((30 - w).sum()) < 8 * 4  # short of the target by less than align per expert
     w = select_widths(Scope(scores, {0: {3: 30}}), _opts(ratio=0.5))[0]
     assert w[3] == 30 and int(120 - w.sum()) == 60  # the exempt expert's share moves to the others
-    with pytest.raises(PassError, match="only 0 are removable"):
+    with pytest.raises(MethodError, match="only 0 are removable"):
         select_widths(Scope(scores, {0: {}}), _opts(ratio=0.5, min_width=30))
     assert uniform_width(768, _opts(ratio=0.25, align=128)) == 640  # 576 is 4.5 blocks: ties keep more
     assert uniform_width(64, _opts(ratio=0.25, align=1)) == 48
@@ -218,8 +219,8 @@ def test_uniform_on_deepseek_keeps_the_shared_width_and_loads(tmp_path):
 
 
 def test_wanda_score_matches_a_direct_computation(tmp_path):
+    from moecompress.engine.spec import LayerStats
     from moecompress.passes.neuron_prune import wanda_scores
-    from moecompress.registry import LayerStats
 
     save_tiny("olmoe", tmp_path / "m")
     layer = mc.open_checkpoint(tmp_path / "m").read_layer(0)

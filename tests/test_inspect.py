@@ -12,7 +12,7 @@ from tiny import save_tiny
 
 import moecompress as mc
 from moecompress.cli import main as cli_main
-from moecompress.inspect import inspect_checkpoint
+from moecompress.tools.inspect import inspect_checkpoint
 
 
 @pytest.fixture

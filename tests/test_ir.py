@@ -7,7 +7,7 @@ import torch
 
 import moecompress as mc
 from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_forward
 
 

@@ -11,9 +11,9 @@ from tiny import save_tiny
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import moecompress as mc
+from moecompress.engine.spec import LayerStats
 from moecompress.passes.merge_experts import MergeExpertsConfig, merge_experts
 from moecompress.passes.namex import NamexConfig, namex
-from moecompress.registry import LayerStats
 
 
 @pytest.mark.parametrize("method", ["average", "frequency"])

@@ -1,4 +1,4 @@
-"""moecompress.merging: the Nash-bargaining solver, average-linkage clustering and neuron weight matching."""
+"""moecompress.methods.merging: the Nash-bargaining solver, average-linkage clustering and neuron weight matching."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank
-from moecompress.layouts import Dense
-from moecompress.merging import (
+from moecompress.layouts.dense import Dense
+from moecompress.methods.merging import (
     align_to,
     average_linkage,
     expert_params,

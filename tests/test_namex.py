@@ -15,15 +15,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import moecompress as mc
 from moecompress.calibration.cache import load_layer
+from moecompress.engine.protection import protection_violations
+from moecompress.engine.spec import LayerStats
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
-from moecompress.layouts import Dense
-from moecompress.merge_plan import check_mergeable
+from moecompress.layouts.dense import Dense
+from moecompress.passes.expert_merging import check_mergeable
 from moecompress.passes.merge_experts import MergeExpertsConfig, merge_experts
 from moecompress.passes.namex import GRID, NamexConfig, namex
-from moecompress.protection import protection_violations
 from moecompress.reference import moe_forward, route
-from moecompress.registry import LayerStats
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))

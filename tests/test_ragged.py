@@ -7,7 +7,9 @@ import torch
 
 from moecompress.errors import LayoutError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import LAYOUTS, Dense, Ragged
+from moecompress.layouts import LAYOUTS
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
 from moecompress.reference import moe_forward
 
 E, W, H = 4, 6, 5  # experts, width, hidden

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import moecompress as mc
 from moecompress.cli import main as cli_main
+from moecompress.engine.recipe import load_recipe
 from moecompress.errors import MoecompressError
-from moecompress.recipe import load_recipe
-from moecompress.registry import available_passes
+from moecompress.passes import BUILTIN_PASSES
 from moecompress.testing import save_tiny
 
 FAST_CALIBRATION = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 2}
@@ -192,7 +192,6 @@ CASES: list[tuple[str, Any, list[str], list[str]]] = [
     ("max_shard_size_garbage", _set("max_shard_size", "garbage"), [], ["max_shard_size"]),
     ("max_shard_size_zero", _set("max_shard_size", 0), [], ["max_shard_size"]),
     ("cache_dir_is_a_file", _set("calibration.cache_dir", "{tmp}/recipe.yaml"), [], ["cache_dir"]),
-    ("resume_without_partial_run", None, ["--resume"], ["resume"]),
     # A newline inside a value or key must not split the message (it is shown with repr()).
     ("model_path_with_newline", _set("model", "{tmp}/no\nsuch"), [], ["'model'"]),
     ("set_key_with_newline", None, ["--set", "steps.1\n.top=3"], ["steps"]),
@@ -454,7 +453,7 @@ def _mutate(data, d: dict, model: Path) -> None:
                 (name, cfg), *_ = steps[i].items()
                 new = data.draw(
                     st.one_of(
-                        st.sampled_from([*available_passes(), "heapr2", "Analyze", ""]),
+                        st.sampled_from([*BUILTIN_PASSES, "heapr2", "Analyze", ""]),
                         st.text(max_size=10),
                         st.just(_typo(data, str(name))),
                     ),

@@ -8,7 +8,7 @@ import pytest
 from tiny import save_tiny
 
 import moecompress as mc
-from moecompress.recipe import load_recipe
+from moecompress.engine.recipe import load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 

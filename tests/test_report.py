@@ -16,15 +16,11 @@ import pytest
 import torch
 import yaml
 
-from moecompress import report as rp
-from moecompress.report import (
-    MATPLOTLIB_MISSING,
-    json_safe,
-    relative_error,
-    sqnr_db,
-    write_run_report,
-    write_step_report,
-)
+from moecompress.methods import metrics
+from moecompress.methods.metrics import relative_error, sqnr_db
+from moecompress.report import write as rp
+from moecompress.report.plots import MATPLOTLIB_MISSING
+from moecompress.report.write import json_safe, write_run_report, write_step_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -79,7 +75,7 @@ def test_chunked_sums_match_direct(monkeypatch):
     r, a = ref.double(), approx.double()
     expected_rel = ((r - a).norm() / r.norm()).item()
     expected_sqnr = 10 * math.log10((r.square().sum() / (r - a).square().sum()).item())
-    monkeypatch.setattr(rp, "_CHUNK", 7)  # 143 elements -> 21 chunks, the last one partial
+    monkeypatch.setattr(metrics, "_CHUNK", 7)  # 143 elements -> 21 chunks, the last one partial
     assert relative_error(ref, approx) == pytest.approx(expected_rel, rel=1e-12)
     assert sqnr_db(ref, approx) == pytest.approx(expected_sqnr, rel=1e-12)
     assert relative_error(ref.t(), approx.t()) == pytest.approx(expected_rel, rel=1e-12)  # non-contiguous
@@ -170,7 +166,7 @@ def test_json_safe(value, expected):
 
 
 def test_json_safe_summary_is_chunked(monkeypatch):
-    monkeypatch.setattr(rp, "_CHUNK", 1000)
+    monkeypatch.setattr(metrics, "_CHUNK", 1000)
     t = torch.randn(300, 301, generator=torch.Generator().manual_seed(1))
     out = json_safe(t)
     assert out["min"] == t.min().item() and out["max"] == t.max().item()
@@ -402,7 +398,7 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("moecompress.report_plots.os.replace", broken_replace)
+    monkeypatch.setattr("moecompress.report.plots.os.replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         write_run_report(tmp_path, {"steps": []})
     assert (tmp_path / "report.json").read_text() == '{"old": true}'

@@ -17,21 +17,19 @@ from tiny import save_tiny
 import moecompress as mc
 from moecompress.errors import ResumeError
 
-# A subprocess that registers a slow copy of `identity` (so there is time to kill it mid-run) and then
-# runs the real CLI entry point with the given arguments.
+# A subprocess running a slow copy of `identity` (so there is time to kill it mid-run), given to apply()
+# as a plugin pass: `python -c RUNNER RECIPE [--resume]`.
 RUNNER = r"""
 import os, sys, time
-from moecompress.registry import PassConfig, register_pass
-class C(PassConfig):
+import moecompress as mc
+class C(mc.PassConfig):
     pass
-@register_pass("slow_identity", C, modifies_experts=False)
 def slow(layer, stats, cfg):
     time.sleep(0.3)
     with open(os.environ["SLOW_LOG"], "a") as f:
         f.write(f"{layer.index}\n")
     return layer, {}
-from moecompress.cli import main
-sys.exit(main(sys.argv[1:]))
+mc.apply(sys.argv[1], passes=[mc.PassSpec("slow_identity", C, slow)], resume="--resume" in sys.argv, progress=False)
 """
 
 
@@ -61,10 +59,10 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     ref = {**recipe, "output": str(tmp_path / "ref")}
     (tmp_path / "ref.yaml").write_text(yaml.safe_dump(ref))
-    assert _run(["apply", str(tmp_path / "ref.yaml"), "-q"], tmp_path / "ref.log").wait(timeout=300) == 0
+    assert _run([str(tmp_path / "ref.yaml")], tmp_path / "ref.log").wait(timeout=300) == 0
 
     journal = tmp_path / ".out.partial" / "journal.json"
-    proc = _run(["apply", str(tmp_path / "r.yaml"), "-q"], tmp_path / "first.log")
+    proc = _run([str(tmp_path / "r.yaml")], tmp_path / "first.log")
     deadline = time.time() + 240
     while time.time() < deadline:
         if journal.exists() and json.loads(journal.read_text())["done_group"] >= 3:
@@ -80,7 +78,7 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path):
     assert 3 <= done < 9
 
     log = tmp_path / "resumed.log"
-    assert _run(["apply", str(tmp_path / "r.yaml"), "--resume", "-q"], log).wait(timeout=300) == 0
+    assert _run([str(tmp_path / "r.yaml"), "--resume"], log).wait(timeout=300) == 0
     resumed = [int(x) for x in log.read_text().split()]
     # group 0 holds the non-layer tensors, so group g is decoder layer g - 1: resume starts at layer `done`
     assert resumed and min(resumed) == done, f"resume redid durable layers: {resumed} (done {done})"
@@ -90,18 +88,63 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path):
     assert got == want
 
 
-def test_resume_refuses_another_recipe_and_missing_runs(tmp_path):
-    save_tiny("qwen3_moe", tmp_path / "model")
-    rec = {
+def _recipe(tmp_path, out="out", steps=None):
+    return {
         "model": str(tmp_path / "model"),
-        "output": str(tmp_path / "out"),
+        "output": str(tmp_path / out),
         "calibration": {"source": "random", "samples": 4, "seq_len": 8},
-        "steps": [{"identity": {}}],
+        "steps": steps or [{"heapr": {"ratio": 0.25, "scope": "layer"}}],
     }
-    with pytest.raises(ResumeError, match="nothing to resume"):
-        mc.apply(rec, resume=True, progress=False)
+
+
+class _Crash(mc.PassConfig):
+    pass
+
+
+def _crash(layer, stats, cfg):
+    raise RuntimeError("killed")  # a crash before anything is durable (no shard flushed, no journal)
+
+
+CRASH = mc.PassSpec("crash", _Crash, _crash)
+
+
+def test_resume_with_nothing_durable_starts_over(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "model")
+    ref = mc.apply(_recipe(tmp_path, "ref"), progress=False).output_dir
+    rec = _recipe(tmp_path)
+    res = mc.apply(rec, resume=True, progress=False)  # no output, no journal: an ordinary run
+    assert _hashes(res.output_dir) == _hashes(ref)
+    # a crash before the first flush leaves a staging directory but no journal
+    with pytest.raises(RuntimeError, match="killed"):
+        mc.apply(_recipe(tmp_path, "out2", [{"crash": {}}]), passes=[CRASH], progress=False)
+    staging = tmp_path / ".out2.partial"
+    assert staging.is_dir() and not (staging / "journal.json").exists()
+    res = mc.apply(_recipe(tmp_path, "out2"), resume=True, progress=False)
+    assert _hashes(res.output_dir) == _hashes(ref) and not staging.exists()
+
+
+def test_resume_of_a_finished_output_does_nothing(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "model")
+    rec = _recipe(tmp_path)
+    out = mc.apply(rec, progress=False).output_dir
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    res = mc.apply(rec, resume=True, progress=False)
+    assert res.resumed_finished and res.report["recipe_hash"] == mc.load_recipe(rec).fingerprint()
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    other = _recipe(tmp_path, steps=[{"heapr": {"ratio": 0.5, "scope": "layer"}}])
+    with pytest.raises(ResumeError, match="made by a different recipe"):
+        mc.apply(other, resume=True, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_resume_refuses_another_recipes_journal(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "model")
     staging = tmp_path / ".out.partial"
     staging.mkdir()
     (staging / "journal.json").write_text(json.dumps({"recipe": "another", "done_group": 0}))
     with pytest.raises(ResumeError, match="different recipe"):
-        mc.apply(rec, resume=True, progress=False)
+        mc.apply(_recipe(tmp_path), resume=True, progress=False)
+    (staging / "journal.json").write_text("{not json")
+    with pytest.raises(ResumeError, match="damaged"):
+        mc.apply(_recipe(tmp_path), resume=True, progress=False)
+    assert not (tmp_path / "out").exists()

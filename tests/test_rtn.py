@@ -11,14 +11,18 @@ from tiny import reference_logits, save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
-from moecompress.bitpack import packed_size
+from moecompress.engine.spec import LayerStats
 from moecompress.errors import LayoutError, PassError, RecipeError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import LAYOUTS, Dense, Ragged
+from moecompress.layouts import LAYOUTS
+from moecompress.layouts.bitpack import packed_size
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.layouts.rtn import RTN
+from moecompress.methods.scalar_quant import quantize
+from moecompress.passes import BUILTIN_PASSES
 from moecompress.passes.rtn import RtnConfig, rtn
 from moecompress.reference import moe_forward
-from moecompress.registry import LayerStats, get_pass
-from moecompress.scalarq import RTN, quantize
 
 CAL = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4}
 E, W, H = 4, 16, 32
@@ -175,7 +179,7 @@ def test_end_to_end_writes_rtn_loads_through_the_quantizer_and_matches_the_refer
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out)(IDS).logits
     torch.testing.assert_close(got, reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
-    assert get_pass("rtn").needs_for(RtnConfig()) == set()  # data-free
+    assert BUILTIN_PASSES["rtn"].needs_for(RtnConfig()) == set()  # data-free
     # an rtn checkpoint is read on meta in the dry run, and quantising twice is refused there
     with pytest.raises(PassError, match=r"step 1 \(rtn\), layer 0: .*got layout 'rtn' \(gate\)"):
         mc.apply({"model": str(out), "output": str(tmp_path / "o2"), "calibration": CAL,

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import moecompress as mc
 from moecompress.ir import ExpertBank
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
 from moecompress.runtime.quantizer import CompressedExperts
 
 

@@ -15,9 +15,9 @@ from tiny import save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
+from moecompress.calibration.skeleton import InstrumentedMoE, Skeleton
 from moecompress.calibration.stats import StatsCollector
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.skeleton import InstrumentedMoE, Skeleton
 
 NEEDS = {
     "act_sq_mean", "expert_in_sq_mean", "input_cov", "expert_counts", "router_prob_mean", "router_entropy", "reap_saliency",

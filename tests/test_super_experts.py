@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 import moecompress as mc
+from moecompress.engine.spec import PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank
-from moecompress.layouts import Dense
-from moecompress.registry import PassConfig, available_passes, get_pass, register_pass
+from moecompress.layouts.dense import Dense
+from moecompress.passes import BUILTIN_PASSES
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 PLANT_LAYER, PLANT_EXPERT, PLANT_CHANNEL = 1, 3, 7
@@ -22,7 +23,6 @@ PLANT_LAYER, PLANT_EXPERT, PLANT_CHANNEL = 1, 3, 7
 # runnable defaults must add one here, so the protection contract below covers it.
 SAMPLE_CONFIGS = {
     "ablate_experts": {"experts": [{"layer": 0, "experts": [5]}]},
-    "rtn": {"bits": 4, "group_size": 16},  # the tiny mixtral has 64 and 80 input channels
     "merge_experts": {"ratio": 0.5},
     "namex": {"ratio": 0.5, "router": "collapse"},
 }
@@ -32,13 +32,15 @@ class _BrokenCfg(PassConfig):
     pass
 
 
-@register_pass("test_touch_expert0", _BrokenCfg)
 def _touch_expert0(layer, stats, cfg):
     """Test-only: scales expert 0's up projection, protected or not (a broken pass)."""
     up = layer.experts.up.weight.clone()
     up[layer.physical(0)] *= 1.5
     bank = layer.experts
     return layer.replace(experts=ExpertBank(bank.gate, Dense(up), bank.down)), {}
+
+
+TOUCH = PassSpec("test_touch_expert0", _BrokenCfg, _touch_expert0)
 
 
 def _plant(path):
@@ -112,7 +114,7 @@ def test_manual_protection_errors(planted, tmp_path):
         mc.apply(_recipe(planted, tmp_path / "out", [bad, {"identity": {}}]), progress=False)
 
 
-@pytest.mark.parametrize("name", [p for p in available_passes() if not p.startswith("test_")])
+@pytest.mark.parametrize("name", list(BUILTIN_PASSES))
 def test_every_registered_pass_honours_protection(tmp_path, name):
     save_tiny("mixtral", tmp_path / "m")
     protect = {
@@ -121,7 +123,7 @@ def test_every_registered_pass_honours_protection(tmp_path, name):
             "manual": [{"layer": i, "experts": [0, 1]} for i in range(3)],
         }
     }
-    spec = get_pass(name)
+    spec = BUILTIN_PASSES[name]
     cfg = SAMPLE_CONFIGS.get(name, {})
     spec.config.model_validate(cfg)  # a pass without runnable defaults needs an entry in SAMPLE_CONFIGS
     out = tmp_path / "out"
@@ -146,8 +148,9 @@ def test_a_pass_that_touches_a_protected_expert_fails(tmp_path):
         PassError, match=r"step 2 \(test_touch_expert0\), layer 2: up weights of protected expert 0"
     ):
         mc.apply(
-            _recipe(tmp_path / "m", tmp_path / "out", [protect, {"test_touch_expert0": {}}]), progress=False
-        )
+            _recipe(tmp_path / "m", tmp_path / "out", [protect, {"test_touch_expert0": {}}]),
+            passes=[TOUCH], progress=False,
+        )  # fmt: skip
     # without protection the same pass runs
-    mc.apply(_recipe(tmp_path / "m", tmp_path / "ok", [{"test_touch_expert0": {}}]), progress=False)
+    mc.apply(_recipe(tmp_path / "m", tmp_path / "ok", [{"test_touch_expert0": {}}]), passes=[TOUCH], progress=False)
     assert (tmp_path / "ok" / "model.safetensors").exists()

@@ -10,14 +10,16 @@ from safetensors import safe_open
 from tiny import reference_logits, save_tiny
 
 import moecompress as mc
+from moecompress.engine.spec import LayerStats
 from moecompress.errors import LayoutError, PassError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import LAYOUTS, Dense
-from moecompress.lowrank import LowRank
+from moecompress.layouts import LAYOUTS
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.lowrank import LowRank
+from moecompress.methods.whitening import Whitener, chol
+from moecompress.passes import BUILTIN_PASSES
 from moecompress.passes.svd_experts import SvdExpertsConfig, factorize, rank_split, svd_experts
 from moecompress.reference import moe_forward
-from moecompress.registry import LayerStats, get_pass
-from moecompress.whitening import Whitener, chol
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 E, W, H = 4, 8, 12  # experts, width, hidden
@@ -162,7 +164,7 @@ def test_dry_run_errors_and_needs(tiny_qwen, tmp_path):
              progress=False)  # fmt: skip
     with pytest.raises(PassError, match="before the pruning step, or prune with layout: uniform"):
         mc.apply({**rec, "model": str(pruned), "steps": [{"svd_experts": {}}]}, dry_run=True)
-    spec = get_pass("svd_experts")
+    spec = BUILTIN_PASSES["svd_experts"]
     assert spec.needs_for(SvdExpertsConfig()) == {"input_cov", "down_in_cov_pooled"}
     assert spec.needs_for(SvdExpertsConfig(whitening="none")) == set()
     assert "out_grad_cov" in spec.needs_for(SvdExpertsConfig(whitening="output"))

@@ -11,14 +11,14 @@ from tiny import save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
+from moecompress.engine.recipe import load_recipe
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.tucker import Tucker
+from moecompress.methods.whitening import Whitener, chol
 from moecompress.passes.tdmoe import decompose, tucker_ranks
-from moecompress.recipe import load_recipe
 from moecompress.reference import moe_forward
-from moecompress.tucker import Tucker
-from moecompress.whitening import Whitener, chol
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
 E, W, H = 6, 12, 10  # experts, width, hidden
@@ -149,8 +149,8 @@ def test_dry_run_errors(tmp_path):
 
 
 def test_adaptive_budget_keeps_the_mean_and_spares_the_sensitive_layer(tmp_path):
+    from moecompress.engine.spec import LayerStats
     from moecompress.passes.tdmoe import TdmoeConfig, _plan
-    from moecompress.registry import LayerStats
 
     y = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     stats = {

@@ -25,7 +25,7 @@ import torch
 
 from moecompress.errors import AdapterError, LayoutError
 from moecompress.ir import ExpertBank, MoELayer, RouterSpec
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
 
 Fetch = Callable[[Iterable[str]], dict[str, torch.Tensor]]
 

@@ -14,7 +14,7 @@ import torch
 from moecompress.adapters.base import Adapter, Fetch, dense3, require_stock
 from moecompress.errors import LayoutError
 from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
 
 
 class GptOssAdapter(Adapter):

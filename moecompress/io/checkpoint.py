@@ -2,9 +2,8 @@
 
 ``open_checkpoint`` validates everything it can from ``config.json`` and the shard headers (model type,
 shard integrity, every MoE tensor's name and shape) before any weight is read, so bad input fails
-fast with one line naming the file or key. ``rewrite_checkpoint`` streams a checkpoint layer by layer
-into a new directory, optionally transforming each MoE layer; it is the lossless round trip that the
-recipe executor builds on.
+fast with one line naming the file or key. Streaming a checkpoint into a new one is
+:func:`moecompress.engine.layer_loop.rewrite_checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm.auto import tqdm
 
 from moecompress.adapters import Adapter, adapter_class
 from moecompress.errors import CheckpointError
 from moecompress.io.hub import resolve_checkpoint_dir
 from moecompress.io.reader import INDEX_NAME, ShardReader
-from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
 
 log = logging.getLogger(__name__)
@@ -152,7 +147,7 @@ def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> 
     return keys
 
 
-def _provenance(block: dict | None, protected: dict[str, list[int]]) -> dict | None:
+def provenance_block(block: dict | None, protected: dict[str, list[int]]) -> dict | None:
     """The input's provenance block (without layouts), with the protection that was written."""
     if block is None and not protected:
         return None
@@ -170,61 +165,3 @@ def _load_config(path: Path):
     except (ValueError, KeyError, TypeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path / 'config.json'}: transformers cannot parse it ({first})") from None
-
-
-def rewrite_checkpoint(
-    src: str | Path | Checkpoint,
-    dst: str | Path,
-    fn: Callable[[MoELayer], MoELayer] | None = None,
-    *,
-    fused: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> Path:
-    """Stream ``src`` into ``dst`` one decoder layer at a time, passing every MoE layer through ``fn``.
-
-    With ``fn=None`` the output holds byte-identical tensors (in the Hub's per-expert names unless
-    ``fused``). Non-weight files (tokenizer, configs) are copied. The output appears atomically.
-    """
-    check_output_dir(dst, overwrite)
-    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
-    from moecompress.io.format import config_with_layers, encode_layer, layer_shape
-
-    moe = set(ckpt.moe_layer_indices)
-    groups = ckpt.key_groups()
-    descs: dict[int, dict | None] = {}
-    shapes: dict[int, list[int]] = {}
-    protected: dict[str, list[int]] = {}
-    with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
-        for idx, keys in tqdm(groups, desc="layers", unit="layer", disable=not progress):
-            writer.make_room(sum(ckpt.reader.nbytes(k) for k in keys))
-            owned: set[str] = set()
-            if idx in moe:
-                layer = ckpt.read_layer(idx)
-                if fn is not None:
-                    layer = fn(layer)
-                if fused and idx not in ckpt.layouts:
-                    tensors, descs[idx] = ckpt.adapter.layer_tensors(layer, fused=True), None
-                else:
-                    tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
-                shapes[idx] = layer_shape(layer)
-                if layer.protected:
-                    protected[str(idx)] = sorted(layer.protected)
-                writer.add_many(tensors)
-                owned = set(ckpt.moe_keys(idx))
-                del layer, tensors
-            rest = [k for k in keys if k not in owned]
-            writer.add_many(ckpt.reader.get_many(rest))
-        for f in ckpt.non_weight_files():
-            writer.copy_file(f)
-        block = ckpt.raw_config.get("moecompress")
-        cfg = config_with_layers(
-            ckpt.raw_config,
-            descs,
-            shapes,
-            adapter=ckpt.adapter,
-            provenance=_provenance(block, protected),
-        )
-        writer.write_json("config.json", cfg)
-        return writer.commit()

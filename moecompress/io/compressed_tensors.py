@@ -1,7 +1,7 @@
 """Export an ``rtn`` output to a compressed-tensors ``pack-quantized`` checkpoint (vLLM, transformers).
 
 :func:`export` streams a moecompress checkpoint whose routed experts are all in the ``rtn`` layout
-(:mod:`moecompress.scalarq`, written by the ``rtn`` pass with ``symmetric: true`` and 4 or 8 bits) into
+(:mod:`moecompress.layouts.rtn`, written by the ``rtn`` pass with ``symmetric: true`` and 4 or 8 bits) into
 a checkpoint that stock loaders read through ``quant_method: compressed-tensors``: every routed
 expert under its Hub per-expert name, as the ``nn.Linear`` modules of the original architecture::
 
@@ -48,10 +48,12 @@ from tqdm.auto import tqdm
 
 from moecompress.adapters.base import PerExpertAdapter
 from moecompress.errors import CheckpointError
+from moecompress.extras import require
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
-from moecompress.scalarq import RTN, quantize
+from moecompress.layouts.rtn import RTN
+from moecompress.methods.scalar_quant import quantize
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class ExportError(CheckpointError):
 
 
 def _library():
+    require("compressed-tensors", "moecompress export --format compressed-tensors")
     try:
         import compressed_tensors
         from compressed_tensors.compressors import pack_to_int32

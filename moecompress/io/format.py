@@ -26,13 +26,10 @@ from typing import Any
 
 import torch
 
-import moecompress.lowrank  # noqa: F401  (registers the 'lowrank' layout kind for loading)
-from moecompress.codebook import Codebook  # noqa: F401  (registers the 'codebook' layout kind for loading)
 from moecompress.errors import CheckpointError, LayoutError
 from moecompress.ir import Act, ExpertBank, MoELayer
-from moecompress.layouts import LAYOUTS, Dense
-from moecompress.scalarq import RTN  # noqa: F401  (registers the 'rtn' layout kind for loading)
-from moecompress.tucker import Tucker  # noqa: F401  (registers the layout for loading)
+from moecompress.layouts import LAYOUTS
+from moecompress.layouts.dense import Dense
 
 FORMAT_VERSION = 1
 PROJ = ("gate", "up", "down")

@@ -1,8 +1,14 @@
-"""Compression passes, one file each, registered in :mod:`moecompress.registry` on import.
+"""Recipe steps, one file each; :data:`BUILTIN_PASSES` is the explicit table of them.
 
-Add a pass by creating a module here and importing it below.
+A pass module defines its configuration, its pure function ``(layer, stats, cfg) -> (layer, info)`` and
+one :class:`~moecompress.engine.spec.PassSpec` named ``SPEC``. To add a built-in pass, write the module
+and add its ``SPEC`` below; a plugin passes its spec to ``moecompress.apply(..., passes=[SPEC])``.
+``neuron_pruning`` and ``expert_merging`` hold what two passes each share (options, checks, reports).
 """
 
+from __future__ import annotations
+
+from moecompress.engine.spec import PassSpec
 from moecompress.passes import (
     ablate,
     analyze,
@@ -19,18 +25,24 @@ from moecompress.passes import (
     tdmoe,
 )
 
-__all__ = [
-    "ablate",
-    "analyze",
-    "codequant",
-    "expert_prune",
-    "heapr",
-    "identity",
-    "merge_experts",
-    "namex",
-    "neuron_prune",
-    "rtn",
-    "super_experts",
-    "svd_experts",
-    "tdmoe",
-]
+BUILTIN_PASSES: dict[str, PassSpec] = {
+    spec.name: spec
+    for spec in (
+        identity.SPEC,
+        analyze.SPEC,
+        super_experts.SPEC,
+        ablate.SPEC,
+        heapr.SPEC,
+        neuron_prune.SPEC,
+        expert_prune.SPEC,
+        tdmoe.SPEC,
+        svd_experts.SPEC,
+        codequant.SPEC,
+        rtn.SPEC,
+        namex.SPEC,
+        merge_experts.SPEC,
+    )
+}
+"""Every built-in recipe step, by name."""
+
+__all__ = ["BUILTIN_PASSES"]

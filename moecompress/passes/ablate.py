@@ -18,10 +18,10 @@ import dataclasses
 
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts import Dense
-from moecompress.registry import LayerStats, PassConfig, register_pass
+from moecompress.layouts.dense import Dense
 
 
 class AblateTarget(PassConfig):
@@ -39,7 +39,6 @@ def _check(layer: MoELayer, cfg: AblateConfig) -> None:
             raise PassError(f"experts {t.experts} out of range [0, {layer.router.num_experts})")
 
 
-@register_pass("ablate_experts", AblateConfig, check=_check)
 def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tuple[MoELayer, dict]:
     """Zero the down projection of the listed experts (diagnosis)."""
     targets = sorted({e for t in cfg.experts if t.layer == layer.index for e in t.experts})
@@ -53,3 +52,6 @@ def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tup
         down[layer.physical(e)] = 0
     new_bank = dataclasses.replace(layer.experts, down=Dense(down))  # keeps widths, biases, rotation
     return layer.replace(experts=new_bank), {"ablated": targets}
+
+
+SPEC = PassSpec("ablate_experts", AblateConfig, ablate_experts, check=_check)

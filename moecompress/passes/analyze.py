@@ -20,8 +20,8 @@ import math
 
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.registry import LayerStats, PassConfig, register_pass
 
 
 class AnalyzeConfig(PassConfig):
@@ -73,14 +73,6 @@ def _summarize(infos: dict[int, dict], cfg: AnalyzeConfig) -> dict:
     }
 
 
-@register_pass(
-    "analyze",
-    AnalyzeConfig,
-    needs={"expert_counts", "router_prob_mean", "router_entropy", "expert_out_norm_mean"},
-    modifies_experts=False,
-    report_only=True,
-    summarize=_summarize,
-)
 def analyze(layer: MoELayer, stats: LayerStats, cfg: AnalyzeConfig) -> tuple[MoELayer, dict]:
     """Report expert usage, router entropy and expert output norms; return the layer unchanged."""
     counts = stats["expert_counts"].long()
@@ -99,3 +91,10 @@ def analyze(layer: MoELayer, stats: LayerStats, cfg: AnalyzeConfig) -> tuple[MoE
         "expert_out_norm_mean": [round(float(v), 6) for v in stats["expert_out_norm_mean"]],
     }
     return layer, info
+
+
+SPEC = PassSpec(
+    "analyze", AnalyzeConfig, analyze,
+    needs={"expert_counts", "router_prob_mean", "router_entropy", "expert_out_norm_mean"},
+    summarize=_summarize, report_only=True,
+)  # fmt: skip

@@ -5,7 +5,7 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
 1. **Rotation** (AOS) of the MoE block's input ``x' = x R`` (``R`` orthogonal ``[H, H]``):
    ``rotation: learned`` minimises ``mean ‖x R − Q_b(x R)‖²`` (``Q_b`` per-token asymmetric min-max,
    ``rotation_bits``) on the layer's calibration inputs with the Cayley parametrisation and Adam, from a
-   randomised Hadamard start (:mod:`moecompress.rotation`); ``hadamard`` uses that start as is; ``none``
+   randomised Hadamard start (:mod:`moecompress.methods.rotation`); ``hadamard`` uses that start as is; ``none``
    skips it. **``fuse: online``** (the one built): the bank rotates its input once per token (an
    ``H × H`` matmul) and gate/up are stored as ``W R``, so the full-precision function is unchanged. The
    router is *not* rotated: it stays a stock full-precision module reading ``x`` (``W_r x = (W_r R)(x R)ᵀ``,
@@ -16,7 +16,7 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
 2. **Codebooks** (ACCF): each output row of every routed expert projection (``scope: all``: gate, up and
    down; ``rotated_inputs``: gate and up only, as the released code, down kept dense), split into groups
    of ``group`` inputs (``-1``: the whole row), gets ``2^bits`` centroids by k-means (k-means++ seeded,
-   ``kmeans_iters``) — :class:`~moecompress.codebook.Codebook` layout, codes bit-packed, fp16 centroids.
+   ``kmeans_iters``) — :class:`~moecompress.layouts.codebook.Codebook` layout, codes bit-packed, fp16 centroids.
 3. **Output-aware reassignment**: ``k*(i, j) = argmin_k (B_j W_ij − A_j C_ik)²`` with ``A_j = E[x_j²]``,
    ``B_j = E[x_j x̂_j]`` over the expert's routed calibration inputs, ``x̂`` the activation-quantised
    input (``eval_act_bits``). Without activation quantisation ``B = A`` and this is nearest-centroid
@@ -57,14 +57,16 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.codebook import Codebook
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts import Dense, Ragged
-from moecompress.pruning import one_width_members
-from moecompress.quantize import cluster, finetune, gate_up_scales, reassign, rotate_bank
-from moecompress.registry import LayerStats, PassConfig, register_pass
-from moecompress.rotation import hadamard, learn_rotation, quant_error
+from moecompress.layouts.base import meta_tensor
+from moecompress.layouts.codebook import Codebook
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.methods.codebooks import cluster, finetune, gate_up_scales, reassign, rotate_bank
+from moecompress.methods.rotation import hadamard, learn_rotation, quant_error
+from moecompress.passes.neuron_pruning import one_width_members
 
 
 class CodequantConfig(PassConfig):
@@ -184,7 +186,31 @@ def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
     }
 
 
-@register_pass("codequant", CodequantConfig, needs={"io_sample"}, check=_check, summarize=summarize_codequant)
+def _emits(layer: MoELayer, cfg: CodequantConfig) -> MoELayer:
+    """Shapes only: codebooks for the quantised projections (live neurons only), protected experts
+    exact, the rotation and activation quantiser on the bank, the shared expert's codebooks."""
+    _, protected, live = _members(layer, cfg)
+    new: dict[str, dict] = {"experts": {}, "shared": {}}
+    for bank_name, name in _targets(layer, cfg):
+        src = getattr(layer, bank_name)
+        lay = getattr(src, name)
+        e, out, inn = lay.shape
+        width, exact = (live, len(protected)) if bank_name == "experts" else (src.width, 0)
+        stored = (out, width) if name == "down" else (width, inn)
+        groups = 1 if cfg.group == -1 else stored[1] // cfg.group
+        new[bank_name][name] = Codebook.meta_like(
+            e, out, inn, bits=cfg.bits, groups=groups, stored=stored, exact=exact, dtype=lay.dtype
+        )
+    h = layer.hidden_size
+    rotation = None if cfg.rotation == "none" else meta_tensor(h, h, dtype=torch.float32)
+    bank = dataclasses.replace(
+        layer.experts, **new["experts"], rotation=rotation, act_bits=cfg.eval_act_bits,
+        unrotated=protected if rotation is not None else frozenset(),
+    )  # fmt: skip
+    shared = layer.shared if not new["shared"] else dataclasses.replace(layer.shared, **new["shared"])
+    return layer.replace(experts=bank, shared=shared)
+
+
 def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple[MoELayer, dict]:
     """Rotation + per-row codebook quantisation of the routed experts (CodeQuant)."""
     _check(layer, cfg)
@@ -234,3 +260,9 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     if layer.shared is not None:
         info.update(shared_bytes_before=layer.shared.nbytes(), shared_bytes_after=shared.nbytes())  # type: ignore[union-attr]
     return layer.replace(experts=out_bank, shared=shared), info
+
+
+SPEC = PassSpec(
+    "codequant", CodequantConfig, codequant, needs={"io_sample"}, emits=_emits, check=_check,
+    summarize=summarize_codequant,
+)  # fmt: skip

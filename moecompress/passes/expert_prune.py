@@ -45,10 +45,11 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer, RouterSpec
-from moecompress.layouts import Dense, Layout
-from moecompress.registry import LayerStats, PassConfig, register_pass
+from moecompress.layouts.base import Layout
+from moecompress.layouts.dense import Dense
 
 NEEDS = {"expert_counts", "reap_saliency"}
 STAT = {"frequency": "expert_counts", "reap": "reap_saliency"}
@@ -141,6 +142,9 @@ def _take(lay: Layout, idx: torch.Tensor, keep: list[int]) -> Layout:
     if isinstance(lay, Dense):
         return Dense(lay.weight.index_select(0, idx))
     if lay.kind == "ragged":  # per-expert live rows, concatenated
+        if lay.rows.device.type == "meta":  # type: ignore[attr-defined]  # shapes only: the live rows' share
+            n = round(lay.rows.shape[0] * len(keep) / max(lay.shape[0], 1))  # type: ignore[attr-defined]
+            return dataclasses.replace(lay, rows=lay.rows[:n], widths=lay.widths.index_select(0, idx))  # type: ignore[call-arg, attr-defined]
         rows = torch.cat([lay.live(e) for e in keep])  # type: ignore[attr-defined]
         return dataclasses.replace(lay, rows=rows, widths=lay.widths.index_select(0, idx))  # type: ignore[call-arg]
     raise PassError(f"expert_prune cannot select experts of a {lay.kind!r} layout; prune before compressing")
@@ -208,19 +212,29 @@ def _summarize(infos: dict[int, dict], cfg: ExpertPruneConfig) -> dict:
     }  # fmt: skip
 
 
-@register_pass("expert_prune", ExpertPruneConfig, needs=NEEDS, check=_check, summarize=_summarize)
+def _removed(layer: MoELayer, scores: torch.Tensor, cfg: ExpertPruneConfig) -> list[int]:
+    """The experts to remove, ascending: per block, the lowest-scored unprotected ones (among equal
+    scores the higher index goes first, so the lower one is kept)."""
+    n, per = _counts(layer.router, cfg.ratio)
+    removed: list[int] = []
+    for block, r in _blocks(layer, per, n):
+        free = sorted((x for x in block if x not in layer.protected), key=lambda x: (float(scores[x]), -x))
+        removed += free[:r]
+    return sorted(removed)
+
+
+def _emits(layer: MoELayer, cfg: ExpertPruneConfig) -> MoELayer:
+    """Shapes only: the same count of experts removed per layer (which ones is data-dependent)."""
+    removed = set(_removed(layer, torch.zeros(layer.router.num_experts), cfg))
+    return prune_experts(layer, [x for x in range(layer.router.num_experts) if x not in removed])
+
+
 def expert_prune(layer: MoELayer, stats: LayerStats, cfg: ExpertPruneConfig) -> tuple[MoELayer, dict]:
     """Remove the lowest-scored whole routed experts (REAP, frequency or random), equally per layer."""
     _check(layer, cfg)
-    n, per = _counts(layer.router, cfg.ratio)
     e = layer.router.num_experts
     scores = _scores(layer, stats, cfg)
-    removed: list[int] = []
-    for block, r in _blocks(layer, per, n):
-        # lowest score first; among equal scores the higher index goes first (the lower one is kept)
-        free = sorted((x for x in block if x not in layer.protected), key=lambda x: (float(scores[x]), -x))
-        removed += free[:r]
-    removed.sort()
+    removed = _removed(layer, scores, cfg)
     keep = [x for x in range(e) if x not in set(removed)]
     counts = stats.get("expert_counts")
     info = {
@@ -238,3 +252,9 @@ def expert_prune(layer: MoELayer, stats: LayerStats, cfg: ExpertPruneConfig) -> 
     new = layer if not removed else prune_experts(layer, keep)
     info["routed_params_after"] = new.experts.num_params()
     return new, info
+
+
+SPEC = PassSpec(
+    "expert_prune", ExpertPruneConfig, expert_prune, needs=NEEDS, emits=_emits, check=_check,
+    summarize=_summarize, needs_fn=lambda cfg: {"expert_counts", *([STAT[cfg.method]] if cfg.method in STAT else [])},
+)  # fmt: skip

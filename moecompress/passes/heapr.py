@@ -19,7 +19,7 @@ is ``2·E·I`` floats per layer instead of the original code's ``2·E·H²`` (Qw
 **Ranking.** ``scope: global`` (default, the paper's HEAPr-G) ranks every neuron of every MoE layer
 together in a cross-layer plan; ``scope: layer`` (HEAPr-L) applies the ratio in each layer. Selection,
 ``ratio`` (fraction of routed-expert neurons = parameters removed), ``align``, ``min_width``,
-``unseen`` experts and the ``ragged``/``uniform`` layouts are described in :mod:`moecompress.pruning`;
+``unseen`` experts and the ``ragged``/``uniform`` layouts are described in :mod:`moecompress.passes.neuron_pruning`;
 ``uniform`` ranks within each expert and ignores ``scope``. Protected experts keep every neuron; shared
 experts, routers and dense layers are untouched. Llama-4-style experts (input scaled by the router)
 would measure the scaled path; no supported architecture does that.
@@ -41,17 +41,16 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.pruning import (
+from moecompress.methods.widths import Scope, exempt_widths, select_widths
+from moecompress.passes.neuron_pruning import (
     NeuronPruneOptions,
-    Scope,
     check_prunable,
-    exempt_widths,
     prune,
-    select_widths,
+    pruned_shape,
     summarize_pruning,
 )
-from moecompress.registry import LayerStats, register_pass
 
 NEEDS = {"act_sq_mean", "grad_sq_mean", "expert_counts"}
 
@@ -75,11 +74,13 @@ def _plan(all_stats: dict[int, LayerStats], cfg: HeaprConfig) -> dict[int, torch
     return select_widths(Scope(scores, fixed), cfg)
 
 
-@register_pass(
-    "heapr", HeaprConfig, needs=NEEDS, plan=_plan, check=lambda layer, cfg: check_prunable(layer, cfg),
-    summarize=summarize_pruning,
-)  # fmt: skip
 def heapr(layer: MoELayer, stats: LayerStats, cfg: HeaprConfig) -> tuple[MoELayer, dict]:
     """Prune routed-expert neurons with the lowest HEAPr score E[h²]·E[(∂ℓ/∂h)²]."""
     new, info = prune(layer, heapr_scores(stats), stats, cfg, widths=stats.plan)
     return new, {**info, "scope": "expert" if cfg.layout == "uniform" else cfg.scope}
+
+
+SPEC = PassSpec(
+    "heapr", HeaprConfig, heapr, needs=NEEDS, emits=pruned_shape, check=check_prunable, plan=_plan,
+    summarize=summarize_pruning,
+)  # fmt: skip

@@ -13,15 +13,17 @@ Example step::
 
 from __future__ import annotations
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.registry import LayerStats, PassConfig, register_pass
 
 
 class IdentityConfig(PassConfig):
     """No settings."""
 
 
-@register_pass("identity", IdentityConfig, modifies_experts=False)
 def identity(layer: MoELayer, stats: LayerStats, cfg: IdentityConfig) -> tuple[MoELayer, dict]:
     """Return the layer unchanged (lossless pipeline check)."""
     return layer, {}
+
+
+SPEC = PassSpec("identity", IdentityConfig, identity)

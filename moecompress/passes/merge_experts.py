@@ -1,7 +1,7 @@
 """``merge_experts``: merge each MoE layer's routed experts into fewer by a fixed weighted average — the
 baselines of ``namex`` on the same grouping.
 
-Groups, base, alignment and router handling are exactly ``namex``'s (:mod:`moecompress.merge_plan`), so a
+Groups, base, alignment and router handling are exactly ``namex``'s (:mod:`moecompress.passes.expert_merging`), so a
 comparison isolates the weighting. A group ``C`` with base ``b`` becomes
 ``E_b + Σ_{i≠b} w_i (E_i − E_b) = Σ_i w_i E_i`` (written relative to the base so that identical members
 merge losslessly), with
@@ -26,10 +26,17 @@ from typing import Literal
 
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.merge_plan import NEEDS, MergeOptions, check_mergeable, plan_merge, summarize_merging
-from moecompress.merging import Params, combine, sub
-from moecompress.registry import LayerStats, register_pass
+from moecompress.methods.merging import Params, combine, sub
+from moecompress.passes.expert_merging import (
+    NEEDS,
+    MergeOptions,
+    check_mergeable,
+    merged_shape,
+    plan_merge,
+    summarize_merging,
+)
 
 
 class MergeExpertsConfig(MergeOptions):
@@ -44,7 +51,6 @@ def _summarize(infos: dict[int, dict], cfg: MergeExpertsConfig) -> dict:
     return out
 
 
-@register_pass("merge_experts", MergeExpertsConfig, needs=NEEDS, check=check_mergeable, summarize=_summarize)
 def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -> tuple[MoELayer, dict]:
     """Merge experts into fewer by their mean or usage-weighted mean (HC-SMoE / M-SMoE baselines)."""
     plan = plan_merge(layer, stats, cfg)
@@ -60,3 +66,9 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
         weights[str(g)] = w  # base first
     new = plan.build(merged)
     return new, {**plan.info(new), "method": cfg.method, "weights": weights}
+
+
+SPEC = PassSpec(
+    "merge_experts", MergeExpertsConfig, merge_experts, needs=NEEDS, emits=merged_shape, check=check_mergeable,
+    summarize=_summarize,
+)

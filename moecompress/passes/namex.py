@@ -3,13 +3,13 @@
 Post-hoc adaptation (our design; METHODS.md §3.3) of NAMEx ("Expert Merging in Sparse Mixture of
 Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMoE layer. Per layer:
 
-1. **Groups**: HC-SMoE average-linkage clustering of the experts (:mod:`moecompress.merge_plan`:
+1. **Groups**: HC-SMoE average-linkage clustering of the experts (:mod:`moecompress.passes.expert_merging`:
    ``similarity``, ``metric``; protected experts are singletons), base ``b`` = the most-used member;
    with ``align`` (default) the other members' neurons are permuted to the base's (weight matching).
 2. **Bargaining** per group with ``|C| ≥ 2``: task vectors ``τ_i = E_i − E_b`` over the concatenated
    gate/up/down weights (and biases) of the other members (members equal to the base are left out),
    ``G = [τ_i]``; ``α > 0`` with ``(GᵀG)α = 1/α`` by damped Newton
-   (:func:`~moecompress.merging.nash_weights`; residual and iterations reported). A base that is a
+   (:func:`~moecompress.methods.merging.nash_weights`; residual and iterations reported). A base that is a
    non-negative combination of the members (their mean) makes this unsolvable: a clear error.
 3. **γ**: merged expert ``E_b + γ Σ α_i τ_i``, ``γ = r·γ₀`` with ``γ₀ = ‖Σ f_i τ_i‖ / ‖Σ α_i τ_i‖``
    (``f`` = usage frequencies in the group, so ``r = 1`` moves as far as frequency-weighted merging;
@@ -27,7 +27,7 @@ Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMo
    configured (complex) result is kept when it lowers that error, else the unrefined merge
    (``refined: false``).
 5. **Router**: ``remap`` (exact routing, expert map, moecompress format) or ``collapse`` (stock
-   checkpoint, one router row per group); see :mod:`moecompress.merge_plan`.
+   checkpoint, one router row per group); see :mod:`moecompress.passes.expert_merging`.
 
 Statistics: ``expert_counts``, ``io_sample`` (``calibration.sample_tokens`` MoE inputs; half fit,
 half held back). Cost: one Newton solve on a ``(|C|−1)²`` Gram per group, ``|gamma_grid|`` expert
@@ -49,11 +49,18 @@ import math
 import torch
 from pydantic import Field, field_validator
 
+from moecompress.engine.spec import LayerStats, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.merge_plan import NEEDS, MergeOptions, check_mergeable, plan_merge, summarize_merging
-from moecompress.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
-from moecompress.registry import LayerStats, register_pass
+from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
+from moecompress.passes.expert_merging import (
+    NEEDS,
+    MergeOptions,
+    check_mergeable,
+    merged_shape,
+    plan_merge,
+    summarize_merging,
+)
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
@@ -113,9 +120,6 @@ def refine(
     return best, losses
 
 
-@register_pass(
-    "namex", NamexConfig, needs=NEEDS, check=check_mergeable, summarize=lambda i, c: _summarize(i, c)
-)
 def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELayer, dict]:
     """Merge experts into fewer with Nash-bargaining weights (NAMEx, post hoc); remap or collapse the router."""
     plan = plan_merge(layer, stats, cfg)
@@ -205,3 +209,9 @@ def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
             s[f"mean_{key}"] = sum(r[key] for r in rows) / len(rows) if rows else None
         s["layers_refined"] = sum(bool(r["refined"]) for r in rows)
     return out
+
+
+SPEC = PassSpec(
+    "namex", NamexConfig, namex, needs=NEEDS, emits=merged_shape, check=check_mergeable,
+    summarize=lambda i, c: _summarize(i, c),
+)

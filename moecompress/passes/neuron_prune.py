@@ -1,7 +1,7 @@
 """``neuron_prune``: gradient-free baselines for atomic-expert pruning (the units of ``heapr``).
 
 Each neuron ``k`` of routed expert ``e`` (row ``k`` of gate and up, column ``k`` of down) is scored
-without gradients, then pruned exactly like ``heapr`` (:mod:`moecompress.pruning`: ``ratio`` = fraction
+without gradients, then pruned exactly like ``heapr`` (:mod:`moecompress.passes.neuron_pruning`: ``ratio`` = fraction
 of routed-expert neurons = parameters removed, ``align``, ``min_width``, ``unseen``, ``ragged`` or
 ``uniform`` layout; protected experts untouched):
 
@@ -32,10 +32,17 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.pruning import NeuronPruneOptions, check_prunable, neuron_norms, prune, summarize_pruning
-from moecompress.registry import LayerStats, register_pass
+from moecompress.methods.widths import neuron_norms
+from moecompress.passes.neuron_pruning import (
+    NeuronPruneOptions,
+    check_prunable,
+    prune,
+    pruned_shape,
+    summarize_pruning,
+)
 
 NEEDS = {"expert_counts", "expert_in_sq_mean", "act_sq_mean"}
 
@@ -62,13 +69,16 @@ def wanda_scores(layer: MoELayer, stats: LayerStats) -> torch.Tensor:
     return torch.einsum("eih,eh->ei", g + u, x) + h * d.sum(1)
 
 
-@register_pass(
-    "neuron_prune", NeuronPruneConfig, needs=NEEDS, check=lambda layer, cfg: check_prunable(layer, cfg),
-    summarize=summarize_pruning,
-)  # fmt: skip
 def neuron_prune(layer: MoELayer, stats: LayerStats, cfg: NeuronPruneConfig) -> tuple[MoELayer, dict]:
     """Prune routed-expert neurons by weight magnitude or Wanda score (gradient-free baselines)."""
     magnitude = cfg.method == "magnitude"
     scores = neuron_norms(layer.experts).double() if magnitude else wanda_scores(layer, stats)
     new, info = prune(layer, scores, stats, cfg, data_free=magnitude)
     return new, {**info, "method": cfg.method}
+
+
+SPEC = PassSpec(
+    "neuron_prune", NeuronPruneConfig, neuron_prune, needs=NEEDS, emits=pruned_shape, check=check_prunable,
+    summarize=summarize_pruning,
+    needs_fn=lambda cfg: {"expert_counts"} if cfg.method == "magnitude" else NEEDS,
+)  # fmt: skip

@@ -1,8 +1,10 @@
 """``rtn``: round-to-nearest scalar quantisation of every routed expert (data-free baseline).
 
 Every routed expert's gate, up and down projection is quantised to ``bits`` bits per weight, per group
-of ``group_size`` consecutive input channels (``-1``: one group per output channel), and stored in the
-:class:`~moecompress.scalarq.RTN` layout (packed codes, float16 scales, uint8 zero points)::
+of ``group_size`` consecutive input channels (``-1``: one group per output channel; ``auto``, the
+default: the largest of 128, 64, 32 and 16 that divides the inputs of every projection, else ``-1`` —
+Qwen3-30B-A3B gets 128, gpt-oss's 2880-wide experts 64, a 48-wide toy model ``-1``), and stored in the
+:class:`~moecompress.layouts.rtn.RTN` layout (packed codes, float16 scales, uint8 zero points)::
 
     asymmetric (default):  lo' = min(lo, 0), hi' = max(hi, 0)
                            s = (hi' − lo') / (2^b − 1),   z = clamp(round(−lo'/s), 0, 2^b − 1)
@@ -35,22 +37,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field, field_validator
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts import Dense, Ragged
-from moecompress.registry import LayerStats, PassConfig, register_pass
-from moecompress.scalarq import RTN, dequantize
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.layouts.rtn import RTN
+from moecompress.methods.scalar_quant import dequantize
 
 PROJ = ("gate", "up", "down")
 
 
 class RtnConfig(PassConfig):
     bits: int = Field(4, description="bits per weight: 8, 4, 3 or 2")
-    group_size: int = Field(128, description="input channels per scale (-1: one group per output channel)")
+    group_size: int | Literal["auto"] = Field(
+        "auto",
+        description="input channels per scale (-1: one group per output channel; auto: the largest of "
+        "128/64/32/16 dividing every projection's inputs, else -1)",
+    )
     symmetric: bool = Field(False, description="zero point fixed at 2^(bits-1) (needed for vLLM export)")
 
     @field_validator("bits")
@@ -62,13 +71,25 @@ class RtnConfig(PassConfig):
 
     @field_validator("group_size")
     @classmethod
-    def _group(cls, v: int) -> int:
-        if v != -1 and v < 1:
+    def _group(cls, v: int | str) -> int | str:
+        if v != "auto" and v != -1 and v < 1:  # type: ignore[operator]
             raise ValueError(
                 "group_size must be a positive number of input channels (e.g. 128) or -1 for one group per "
                 "output channel"
             )
         return v
+
+
+AUTO_GROUPS = (128, 64, 32, 16)
+
+
+def group_size(layer: MoELayer, cfg: RtnConfig) -> int:
+    """The group size this step uses on ``layer``: the configured one, or under ``auto`` the largest of
+    :data:`AUTO_GROUPS` dividing every projection's inputs (``-1`` when none does)."""
+    if cfg.group_size != "auto":
+        return cfg.group_size  # type: ignore[return-value]
+    ins = {getattr(layer.experts, p).shape[2] for p in PROJ}
+    return next((g for g in AUTO_GROUPS if all(i % g == 0 for i in ins)), -1)
 
 
 def check_quantizable(layer: MoELayer, cfg: RtnConfig) -> None:
@@ -81,8 +102,8 @@ def check_quantizable(layer: MoELayer, cfg: RtnConfig) -> None:
                 f"rtn quantises dense (or neuron-pruned) experts, got layout {lay.kind!r} ({name}); run rtn "
                 "once, on dense weights (before any decomposition or other quantisation)"
             )
-        inn = lay.shape[2]
-        if cfg.group_size != -1 and inn % cfg.group_size:
+        inn, gs = lay.shape[2], group_size(layer, cfg)
+        if gs != -1 and inn % gs:
             ins = sorted({getattr(bank, p).shape[2] for p in PROJ})
             raise PassError(
                 f"group_size={cfg.group_size} does not divide the {inn} input channels of the {name} projection; "
@@ -112,19 +133,28 @@ def _rel_errors(w: torch.Tensor, lay: RTN, ids: list[int], chunk: int = 8) -> li
     return out
 
 
-@register_pass(
-    "rtn", RtnConfig, check=check_quantizable, summarize=lambda infos, cfg: summarize_rtn(infos, cfg)
-)
+def _emits(layer: MoELayer, cfg: RtnConfig) -> MoELayer:
+    """Shapes only: every projection in the :class:`RTN` layout, protected experts exact."""
+    bank, gs = layer.experts, group_size(layer, cfg)
+    exact = len({layer.physical(e) for e in layer.protected})
+    new = {}
+    for name in PROJ:
+        e, out, inn = getattr(bank, name).shape
+        new[name] = RTN.meta_like(e, out, inn, bits=cfg.bits, group_size=gs, symmetric=cfg.symmetric,
+                                  exact=exact, dtype=getattr(bank, name).dtype)  # fmt: skip
+    return layer.replace(experts=dataclasses.replace(bank, **new))
+
+
 def rtn(layer: MoELayer, stats: LayerStats, cfg: RtnConfig) -> tuple[MoELayer, dict]:
     """Round-to-nearest scalar quantisation of every routed expert (per group of input channels)."""
     check_quantizable(layer, cfg)
     bank = layer.experts
     protected = frozenset(layer.physical(e) for e in layer.protected)
     todo = [e for e in range(bank.num_experts) if e not in protected]
-    new, errors, params = {}, {}, 0
+    new, errors, params, gs = {}, {}, 0, group_size(layer, cfg)
     for name in PROJ:
         w = getattr(bank, name).dense()
-        lay = RTN.from_dense(w, cfg.bits, cfg.group_size, symmetric=cfg.symmetric, protected=protected)
+        lay = RTN.from_dense(w, cfg.bits, gs, symmetric=cfg.symmetric, protected=protected)
         errs = _rel_errors(w, lay, todo)
         errors[name] = sum(errs) / len(errs) if errs else 0.0
         new[name] = lay
@@ -134,7 +164,7 @@ def rtn(layer: MoELayer, stats: LayerStats, cfg: RtnConfig) -> tuple[MoELayer, d
     after = sum(new[p].nbytes() for p in PROJ)
     info = {
         "bits": cfg.bits,
-        "group_size": cfg.group_size,
+        "group_size": gs,
         "symmetric": cfg.symmetric,
         "protected": sorted(protected),
         "quantised_experts": len(todo),
@@ -165,6 +195,7 @@ def summarize_rtn(infos: dict[int, dict], cfg: RtnConfig) -> dict:
         "summary": {
             "bits": cfg.bits,
             "group_size": cfg.group_size,
+            "group_sizes_used": sorted({infos[i]["group_size"] for i in layers}),
             "symmetric": cfg.symmetric,
             "routed_params": params,
             "routed_bytes_before": before,
@@ -177,3 +208,8 @@ def summarize_rtn(infos: dict[int, dict], cfg: RtnConfig) -> dict:
         },
         "warnings": warnings,
     }
+
+
+SPEC = PassSpec(
+    "rtn", RtnConfig, rtn, emits=_emits, check=check_quantizable, summarize=lambda infos, cfg: summarize_rtn(infos, cfg)
+)

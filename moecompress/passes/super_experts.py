@@ -33,9 +33,9 @@ import math
 import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.registry import LayerStats, PassConfig, register_pass
 
 NEEDS = {"down_out_absmax", "down_out_argmax", "shared_down_out_absmax", "shared_down_out_argmax"}
 
@@ -102,10 +102,6 @@ def _summarize(infos: dict[int, dict], cfg: SuperExpertsConfig) -> dict:
     }  # fmt: skip
 
 
-@register_pass(
-    "protect_super_experts", SuperExpertsConfig, needs=NEEDS, modifies_experts=False, plan=_plan,
-    summarize=_summarize, protects=lambda d: [*d["auto"], *d["manual"]],
-)  # fmt: skip
 def protect_super_experts(
     layer: MoELayer, stats: LayerStats, cfg: SuperExpertsConfig
 ) -> tuple[MoELayer, dict]:
@@ -130,3 +126,22 @@ def protect_super_experts(
         **{k: decision.get(k) for k in ("threshold", "percentile_value", "global_max", "eligible")},
     }
     return layer.replace(protected=layer.protected | frozenset(chosen)), info
+
+
+def _check(layer: MoELayer, cfg: SuperExpertsConfig) -> None:
+    bad = sorted({e for m in cfg.manual if m.layer == layer.index for e in m.experts if not 0 <= e < layer.router.num_experts})
+    if bad:
+        raise PassError(f"manual experts {bad} out of range [0, {layer.router.num_experts})")
+
+
+def _emits(layer: MoELayer, cfg: SuperExpertsConfig) -> MoELayer:
+    """Shapes are unchanged; the manual experts are known to be protected already (the automatic ones
+    only once the statistics exist)."""
+    manual = {e for m in cfg.manual if m.layer == layer.index for e in m.experts}
+    return layer.replace(protected=layer.protected | frozenset(manual)) if manual else layer
+
+
+SPEC = PassSpec(
+    "protect_super_experts", SuperExpertsConfig, protect_super_experts, needs=NEEDS, emits=_emits, check=_check,
+    plan=_plan, protects=lambda d: [*d["auto"], *d["manual"]], summarize=_summarize,
+)  # fmt: skip

@@ -1,14 +1,14 @@
 """``svd_experts``: per-expert truncated SVD with data-aware whitening (the low-rank baseline).
 
 Each projection ``W`` ``[out, in]`` (gate, up, down) of every routed expert that is not protected is
-replaced by a rank-``r`` product ``u·v`` (:class:`~moecompress.lowrank.LowRank` layout)::
+replaced by a rank-``r`` product ``u·v`` (:class:`~moecompress.layouts.lowrank.LowRank` layout)::
 
     W_w = A·W·B,   W_w ≈ U_r S_r V_rᵀ (truncated SVD),   u = A⁻¹ U_r S_r  [out, r],   v = (B⁻ᵀ V_r)ᵀ  [r, in]
 
 With input whitening (``B = L``, ``L Lᵀ = E[x xᵀ]``) the truncation minimises the output error
 ``E‖(W − u·v)x‖²`` on the calibration data instead of the weight error: SVD-LLM (Wang et al.,
 "SVD-LLM: Truncation-aware Singular Value Decomposition for Large Language Model Compression",
-ICLR 2025). Output / both sides and the ``inverse`` form are described in :mod:`moecompress.whitening`.
+ICLR 2025). Output / both sides and the ``inverse`` form are described in :mod:`moecompress.methods.whitening`.
 Applied expert by expert, this is the per-expert SVD (MoE-SVD) baseline that TD-MoE's paper compares
 against. The covariances are pooled over the experts of a layer (one whitener per projection type).
 
@@ -40,18 +40,18 @@ Example steps::
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import Literal
 
-import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts import Dense, Ragged
-from moecompress.lowrank import LowRank
-from moecompress.registry import LayerStats, PassConfig, register_pass
-from moecompress.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.lowrank import LowRank
+from moecompress.layouts.ragged import Ragged
+from moecompress.methods.svd import factorize, rank_split
+from moecompress.methods.whitening import ALL_NEEDS, projection_whiteners, whitening_needs
 
 PROJ = ("gate", "up", "down")
 
@@ -67,39 +67,6 @@ class SvdExpertsConfig(PassConfig):
     ranks: Literal["balanced", "uniform"] = Field(
         "balanced", description="ranks differing by at most 1 to meet the ratio, or one rank for all"
     )
-
-
-def rank_split(out: int, inn: int, n: int, ratio: float, mode: str = "balanced") -> tuple[int, int]:
-    """``(base, extra)``: every one of ``n`` experts gets rank ``base``, ``extra`` of them one more."""
-    c = (1 - Fraction(repr(ratio))) * out * inn / (out + inn)  # exact: no 0.6 * x = 24.999… surprises
-    if mode == "uniform" or n == 0:
-        return math.floor(c), 0
-    return divmod(math.floor(c * n), n)  # base = ⌊⌊c·n⌋ / n⌋ = ⌊c⌋
-
-
-def factorize(
-    w: torch.Tensor, wh: Whitener, base: int, extra: int = 0, chunk: int = 16
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Whitened truncated SVD of ``w`` ``[M, out, in]``: per expert ``(u [out, r], v [r, in])`` in
-    ``w``'s dtype, and the relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F`` per expert. Works on
-    ``chunk`` experts at a time in float64; only the kept factors (in ``w``'s dtype) accumulate."""
-    keep = min(base + (1 if extra else 0), *w.shape[1:])
-    us, vs, ss = [], [], []
-    for a in range(0, w.shape[0], chunk):
-        u_, s, vh = torch.linalg.svd(wh.whiten(w[a : a + chunk]), full_matrices=False)  # float64
-        us.append(wh.unwhiten_out(u_[:, :, :keep] * s[:, None, :keep]).to(w.dtype))  # [m, out, keep]
-        vs.append(wh.unwhiten_in(vh[:, :keep].transpose(1, 2)).transpose(1, 2).to(w.dtype))  # [m, keep, in]
-        ss.append(s)
-    s = torch.cat(ss)
-    ranks = torch.full((w.shape[0],), min(base, keep), dtype=torch.int64)
-    if keep > base:  # the extra ranks go where the next singular value is largest
-        ranks[s[:, base].sort(descending=True, stable=True).indices[:extra]] += 1
-    energy = s.pow(2)
-    kept = torch.arange(s.shape[1])[None, :] < ranks[:, None]
-    err = (energy.masked_fill(kept, 0).sum(1) / energy.sum(1).clamp_min(1e-300)).sqrt()
-    u, v = torch.cat(us), torch.cat(vs)
-    pairs = [(u[m, :, :r].contiguous(), v[m, :r].contiguous()) for m, r in enumerate(ranks.tolist())]
-    return pairs, err
 
 
 def check_decomposable(layer: MoELayer, cfg: SvdExpertsConfig) -> None:
@@ -130,10 +97,24 @@ def check_decomposable(layer: MoELayer, cfg: SvdExpertsConfig) -> None:
             )
 
 
-@register_pass(
-    "svd_experts", SvdExpertsConfig, needs=ALL_NEEDS, needs_fn=lambda cfg: whitening_needs(cfg.whitening),
-    check=check_decomposable, summarize=lambda infos, cfg: summarize_svd(infos, cfg),
-)  # fmt: skip
+def _emits(layer: MoELayer, cfg: SvdExpertsConfig) -> MoELayer:
+    """Shapes only: every projection in the :class:`LowRank` layout at the balanced (or uniform) ranks,
+    protected experts dense."""
+    bank = layer.experts
+    todo = bank.num_experts - len({layer.physical(e) for e in layer.protected})
+    if todo == 0:
+        return layer
+    lays = []
+    for name in PROJ:
+        lay = getattr(bank, name)
+        e, out, inn = lay.shape
+        base, extra = rank_split(out, inn, todo, cfg.ratio, cfg.ranks)
+        total = min(base, out, inn) * todo + (extra if base < min(out, inn) else 0)
+        lays.append(LowRank.meta_like(e, out, inn, factorised=todo, total_rank=total, dtype=lay.dtype))
+    return layer.replace(experts=ExpertBank(*lays, widths=bank.widths, biases=bank.biases, act=bank.act,
+                                            alpha=bank.alpha, limit=bank.limit))  # fmt: skip
+
+
 def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[MoELayer, dict]:
     """Replace each routed expert's projections by a whitened truncated SVD (per-expert low rank)."""
     check_decomposable(layer, cfg)
@@ -201,3 +182,9 @@ def summarize_svd(infos: dict[int, dict], cfg: SvdExpertsConfig) -> dict:
         },
         "warnings": warnings,
     }
+
+
+SPEC = PassSpec(
+    "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
+    needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
+)  # fmt: skip

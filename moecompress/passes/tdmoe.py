@@ -3,14 +3,14 @@
 Paper: "TD-MoE: Tensor Decomposition for MoE Models" (ICLR 2026); implemented from
 ``shared/guide/METHODS.md`` §2. Per MoE layer and projection (gate, up, down), the ``M`` routed experts
 that are not protected are stacked into ``T ∈ ℝ^{M×out×in}``, whitened slice by slice
-(``A·W_e·B``, :mod:`moecompress.whitening`: ``input`` = Cholesky factor of the input covariance,
+(``A·W_e·B``, :mod:`moecompress.methods.whitening`: ``input`` = Cholesky factor of the input covariance,
 minimising the output error, default; ``output`` = gradient covariance of the LM loss; ``both``;
 ``none``), decomposed with Tucker (tensorly; ``method: hosvd`` default, ``hooi`` = 50 alternating
 iterations)::
 
     T_w ≈ G ×₁ U_e ×₂ U_out ×₃ U_in,     then  U_out' = A⁻¹U_out,  U_in' = B⁻ᵀU_in
 
-and stored in the :class:`~moecompress.tucker.Tucker` layout (un-whitened factors: no extra inference
+and stored in the :class:`~moecompress.layouts.tucker.Tucker` layout (un-whitened factors: no extra inference
 work). The expert mode is not truncated by default (``r1 = M``, the expert factor folded into
 per-expert cores ``C_m``); ``r1`` truncates it. Ranks ``(r2, r3)`` meet ``ratio`` (fraction of the
 decomposed experts' parameters removed) with the parameter count
@@ -38,20 +38,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
-import tensorly as tl
 import torch
 from pydantic import Field
-from tensorly.decomposition import tucker
 
+from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts import Dense, Ragged
-from moecompress.pruning import one_width_members
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.layouts.tucker import Tucker
+from moecompress.methods.tucker import decompose, tucker_ranks
+from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
+from moecompress.passes.neuron_pruning import one_width_members
 from moecompress.reference import moe_forward
-from moecompress.registry import LayerStats, PassConfig, register_pass
-from moecompress.tucker import Tucker
-from moecompress.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 
 PROJ = ("gate", "up", "down")
 
@@ -67,47 +66,6 @@ class TdmoeConfig(PassConfig):
     budget: Literal["uniform", "adaptive"] = Field(
         "uniform", description="same ratio per layer, or by sensitivity"
     )
-
-
-def tucker_ranks(
-    m: int, out: int, inp: int, ratio: float, r1: int | None = None
-) -> tuple[int, int, int, int]:
-    """``(r1, r2, r3, stored params)`` meeting ``ratio`` (see the module docstring)."""
-    full = m * out * inp
-    target = (1 - ratio) * full
-    r1 = m if r1 is None or r1 >= m else r1
-    fold = r1 == m
-    best, close = None, None
-    for r2 in range(1, out + 1):
-        lead = out * r2 + (0 if fold else m * r1)
-        per_r3 = (m if fold else r1) * r2 + inp
-        r3 = max(1, min(inp, int((target - lead) // per_r3)))
-        for r in {r3, min(inp, r3 + 1)}:
-            p = lead + per_r3 * r
-            err = abs(p - target) / full
-            cand = (abs(r2 / out - r / inp), err, r2, r, p)
-            if err <= 0.005 and (best is None or cand < best):
-                best = cand
-            if close is None or (err, cand[0]) < (close[1], close[0]):
-                close = cand
-    _, err, r2, r3, p = best or close  # type: ignore[misc]
-    if err > 0.01:
-        raise PassError(
-            f"ratio={ratio} cannot be met within 1% for {m} experts of {out}x{inp} (closest keeps {p / full:.3f}); "
-            "choose another ratio"
-        )
-    return r1, r2, r3, p
-
-
-def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: str):
-    """Tucker factors of the whitened stack ``w`` ``[M, out, in]``: ``(G, [U_e, U_out, U_in])`` in
-    float64, whitened (un-whiten with ``wh``)."""
-    t = wh.whiten(w).numpy()
-    with tl.backend_context("numpy"):
-        core, factors = tucker(t, rank=[r1, r2, r3], init="svd", n_iter_max=50 if method == "hooi" else 0)
-    return torch.from_numpy(np.ascontiguousarray(core)), [
-        torch.from_numpy(np.ascontiguousarray(f)) for f in factors
-    ]
 
 
 def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
@@ -172,12 +130,23 @@ def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, rati
     return new, {"ranks": [r1, r2, r3], "whitened_rel_error": round(err, 6)}
 
 
-@register_pass(
-    "tdmoe", TdmoeConfig, needs=ALL_NEEDS | {"io_sample"}, check=_check, plan=_plan,
-    needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
-    | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
-    summarize=lambda infos, cfg: _summarize(infos, cfg),
-)  # fmt: skip
+def _emits(layer: MoELayer, cfg: TdmoeConfig) -> MoELayer:
+    """Shapes only: every projection in the :class:`Tucker` layout at the ranks of ``ratio`` (under
+    ``budget: adaptive`` each layer's ratio is chosen from the statistics), protected experts exact."""
+    members, _, live = one_width_members(layer, "tdmoe", "decomposed")
+    if not members:
+        return layer
+    bank, lays = layer.experts, {}
+    for proj in PROJ:
+        lay = getattr(bank, proj)
+        e, out, inn = lay.shape
+        cut = (live, inn) if proj != "down" else (out, live)
+        r1, r2, r3, _ = tucker_ranks(len(members), *cut, cfg.ratio, cfg.r1)
+        lays[proj] = Tucker.meta_like(e, out, inn, (r1, r2, r3), factorised=len(members), dtype=lay.dtype)
+    return layer.replace(experts=ExpertBank(**lays, biases=bank.biases, act=bank.act, alpha=bank.alpha,
+                                            limit=bank.limit))  # fmt: skip
+
+
 def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
     """Decompose each projection of the routed experts with a shared Tucker basis (TD-MoE)."""
     _check(layer, cfg)
@@ -258,3 +227,11 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
         },
         "warnings": [],
     }
+
+
+SPEC = PassSpec(
+    "tdmoe", TdmoeConfig, tdmoe, needs=ALL_NEEDS | {"io_sample"}, emits=_emits, check=_check, plan=_plan,
+    needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
+    | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
+    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",),
+)  # fmt: skip

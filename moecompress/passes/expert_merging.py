@@ -16,7 +16,7 @@ give the step report's ``rel_error`` row.
 tokens (shared inputs, not only the tokens routed to it); ``router``: the expert's router-logit column
 over the fit tokens, centred per token (softmax ignores a shared offset; MC-SMoE's similarity);
 ``weight``: the flattened gate/up/down weights. Average-linkage clustering with ``metric`` distance
-(:func:`~moecompress.merging.average_linkage`). The base of a group is its most-used member
+(:func:`~moecompress.methods.merging.average_linkage`). The base of a group is its most-used member
 (``expert_counts``; ties: lowest id); with ``align`` every other member's neurons are permuted to the
 base's first (weight matching).
 
@@ -46,13 +46,14 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from moecompress.engine.spec import LayerStats, PassConfig
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts import Dense
-from moecompress.merging import Params, align_to, average_linkage, expert_params
+from moecompress.layouts.base import meta_tensor
+from moecompress.layouts.dense import Dense
+from moecompress.methods.merging import Params, align_to, average_linkage, expert_params
+from moecompress.methods.metrics import relative_error
 from moecompress.reference import expert_forward, moe_forward, route, router_logits
-from moecompress.registry import LayerStats, PassConfig
-from moecompress.report import relative_error
 
 NEEDS = {"expert_counts", "io_sample"}
 PROJ = ("gate", "up", "down")
@@ -154,6 +155,30 @@ def check_mergeable(layer: MoELayer, cfg: MergeOptions) -> int:
                 "experts or protect fewer"
             )
     return t
+
+
+def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
+    """Shapes only: the layer a merging pass emits — ``target_groups`` physical experts, with an expert
+    map (``remap``) or as many router rows (``collapse``; which experts stay protected, and under which
+    new ids, is decided by the grouping: the ids here are placeholders, the count is right)."""
+    bank, e = layer.experts, layer.router.num_experts
+    t = target_groups(e, cfg)
+    if t == e:
+        return layer
+    lays = {p: Dense.meta_like(t, *getattr(bank, p).shape[1:], getattr(bank, p).dtype) for p in PROJ}
+    biases = {k: meta_tensor(t, *b.shape[1:], dtype=b.dtype) for k, b in bank.biases.items()}
+    new_bank = dataclasses.replace(bank, **lays, biases=biases, widths=None)
+    if cfg.router == "remap":
+        return layer.replace(experts=new_bank, expert_map=meta_tensor(e, dtype=torch.int64))
+
+    def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else meta_tensor(t, *x.shape[1:], dtype=x.dtype)
+
+    return layer.replace(
+        router=dataclasses.replace(layer.router, num_experts=t), router_weight=rows(layer.router_weight),
+        router_bias=rows(layer.router_bias), score_bias=rows(layer.score_bias), experts=new_bank,
+        protected=frozenset(range(len(layer.protected))),
+    )  # fmt: skip
 
 
 @dataclass

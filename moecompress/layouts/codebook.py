@@ -5,7 +5,7 @@ channels; every group has ``K = 2^bits`` centroids and each weight stores the in
 
     W[e][i, j] = centroids[m, i, j // gs, codes[m, i, j]]      m = members[e],  gs = in / G
 
-``codes`` are bit-packed per row with :mod:`moecompress.bitpack` (``uint8`` ``[M, out, ceil(in·bits/8)]``),
+``codes`` are bit-packed per row with :mod:`moecompress.layouts.bitpack` (``uint8`` ``[M, out, ceil(in·bits/8)]``),
 ``centroids`` are stored in float16 ``[M, out, G, K]``. Experts with ``members[e] = -1`` (protected
 super experts) are stored bit-identically in ``exact`` ``[P, out, in]`` (expert-id order). The forward
 decodes one expert at a time (:meth:`Codebook.expert`), never the whole bank.
@@ -13,8 +13,7 @@ decodes one expert at a time (:meth:`Codebook.expert`), never the whole bank.
 Bytes per weight: ``bits / 8`` for the codes plus ``2·K / gs`` for the centroids (``gs = in`` per row):
 4 bits at ``in = 2048`` is 0.5156 B (4.125 bits); at ``in = 128`` it is 0.75 B (6 bits).
 
-:func:`kmeans_1d` is the clustering every row goes through (k-means++ seeding, Lloyd iterations, exact
-1-D assignment by binary search between sorted centroids).
+The clustering that fills it is :func:`moecompress.methods.kmeans.kmeans_1d`.
 """
 
 from __future__ import annotations
@@ -26,56 +25,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moecompress.bitpack import pack_bits, packed_size, unpack_bits
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout, member_slots
+from moecompress.layouts.base import Layout, member_slots, meta_members, meta_tensor
+from moecompress.layouts.bitpack import pack_bits, packed_size, unpack_bits
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def nearest(values: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid for each value: ``values`` ``[N, n]``, ``centroids`` ``[N, K]``
-    (any order) -> int64 ``[N, n]``. Exact (binary search between sorted centroids' midpoints)."""
-    c, order = centroids.sort(dim=-1)
-    mids = (c[:, 1:] + c[:, :-1]) / 2
-    pos = torch.searchsorted(mids.contiguous(), values.contiguous())
-    return order.gather(1, pos)
-
-
-def kmeans_1d(
-    values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
-    (D² sampling from a generator seeded with ``seed``), then Lloyd iterations until no centroid moves
-    by more than ``tol`` times the row's range. Returns ``(centroids [N, k], assignment [N, n] int64)``.
-    A row with at most ``k`` distinct values is reproduced exactly."""
-    v = values.double()
-    n_rows, n = v.shape
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.arange(n_rows)
-    first = torch.randint(0, n, (n_rows,), generator=g)
-    cents = [v[rows, first]]
-    d2 = (v - cents[0][:, None]) ** 2
-    for _ in range(1, k):
-        w = d2.clone()
-        done = w.sum(1) <= 0  # every value already a centroid: any pick is a duplicate
-        w[done] = 1.0
-        pick = torch.multinomial(w.float(), 1, generator=g)[:, 0]
-        c = v[rows, pick]
-        cents.append(c)
-        d2 = torch.minimum(d2, (v - c[:, None]) ** 2)
-    c = torch.stack(cents, 1)
-    scale = (v.amax(1) - v.amin(1)).clamp_min(1e-30)
-    for _ in range(iters):
-        a = nearest(v, c)
-        sums = torch.zeros_like(c).scatter_add_(1, a, v)
-        counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
-        new = torch.where(counts > 0, sums / counts.clamp_min(1), c)
-        moved = float(((new - c).abs().amax(1) / scale).max()) if n_rows else 0.0
-        c = new
-        if moved <= tol:
-            break
-    return c.to(values.dtype), nearest(v, c)
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +106,20 @@ class Codebook(Layout):
             cents = torch.zeros(0, out_s, g, 1 << bits, dtype=torch.float16)
         ex = torch.stack([exact[e] for e in rest]) if rest else like.new_zeros(0, out, inn)
         return cls(packed, cents, members, ex, bits, int(in_s), like.dtype, (out, inn))
+
+    @classmethod
+    def meta_like(
+        cls, experts: int, out: int, inn: int, *, bits: int, groups: int, stored: tuple[int, int], exact: int,
+        dtype: torch.dtype,
+    ) -> Codebook:
+        """Shapes only (``meta``): what :meth:`build` stores for ``experts - exact`` quantised experts of
+        stored size ``stored`` (``(out_s, in_s)``), ``groups`` codebooks per row."""
+        m, (out_s, in_s) = experts - exact, stored
+        return cls(
+            meta_tensor(m, out_s, packed_size(in_s, bits), dtype=torch.uint8),
+            meta_tensor(m, out_s, groups, 1 << bits, dtype=torch.float16), meta_members(experts),
+            meta_tensor(exact, out, inn, dtype=dtype), bits, in_s, dtype, (out, inn),
+        )  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -243,6 +211,3 @@ class Codebook(Layout):
         return cls(
             tensors["codes"], tensors["centroids"], members, exact, int(meta["bits"]), in_s, dtype, (out, inn)
         )
-
-
-LAYOUTS[Codebook.kind] = Codebook

@@ -2,12 +2,14 @@
 
 ``apply(recipe)`` runs, in order (nothing is written before step 3):
 
-1. load and validate the recipe (:mod:`moecompress.recipe`); refuse an existing output directory;
-2. open the checkpoint (headers only) and **dry-run** every step's ``check`` on ``meta`` layers built
-   from the shard headers; load the calibration token ids (tokenizer present, enough text);
+1. load and validate the recipe (:mod:`moecompress.engine.recipe`) against the pass table (the
+   built-in passes plus ``passes=``); settle what exists at the output (``--resume``,
+   :mod:`moecompress.engine.journal`);
+2. open the checkpoint (headers only) and **dry-run** the whole chain on ``meta`` layers
+   (:mod:`moecompress.engine.dry_run`); check the calibration source (tokenizer present, enough text);
 3. **calibrate** (or reuse the statistics cache): :mod:`moecompress.calibration.sweep`;
 4. run cross-layer **plans**;
-5. the **layer loop** (:mod:`moecompress.layer_loop`): per decoder layer, read it, run the steps,
+5. the **layer loop** (:mod:`moecompress.engine.run`): per decoder layer, read it, run the steps,
    write each emitted step's checkpoint, copy non-MoE tensors, free; journal for ``--resume``;
 6. reports, then the staging directory is renamed onto the output.
 """
@@ -24,12 +26,19 @@ from typing import Any
 import torch
 
 from moecompress.calibration.cache import StatsCache, load_layer, model_key, save_layer
-from moecompress.calibration.stats import ALWAYS, backward_needed
-from moecompress.errors import MoecompressError, OutputExistsError, PassError, RecipeError
+from moecompress.calibration.catalogue import ALWAYS
+from moecompress.calibration.skeleton import Skeleton
+from moecompress.calibration.sources import load_token_ids, source_fingerprint
+from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.engine.context import RunContext
+from moecompress.engine.dry_run import dry_run
+from moecompress.engine.journal import finished, resumable
+from moecompress.engine.recipe import Recipe, load_recipe, pass_table
+from moecompress.engine.run import RecipeRun
+from moecompress.engine.spec import PassSpec
+from moecompress.engine.steps import compress_for_propagation, step_stats
+from moecompress.errors import MoecompressError, OutputExistsError, RecipeError
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
-from moecompress.ir import MoELayer
-from moecompress.recipe import Recipe, load_recipe
-from moecompress.registry import LayerStats
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +48,8 @@ class RunResult:
     output_dir: Path
     report: dict = field(default_factory=dict)
     dry_run: bool = False
+    resumed_finished: bool = False
+    """``--resume`` found the output already finished by the same recipe: nothing was done."""
 
 
 def _open(recipe: Recipe) -> Checkpoint:
@@ -48,69 +59,20 @@ def _open(recipe: Recipe) -> Checkpoint:
         raise type(err)(f"recipe field 'model': {err}") from None
 
 
-def meta_layer(ckpt: Checkpoint, i: int) -> MoELayer:
-    """MoE layer ``i`` built from shard headers only (``meta`` tensors): the dry run's input."""
-    r = ckpt.reader
-
-    def fetch(names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {n: r.meta(n) for n in names}
-
-    return ckpt.read_layer_with(i, fetch)
-
-
-def compute_dtype(recipe: Recipe, ckpt: Checkpoint) -> torch.dtype:
-    name = recipe.calibration.dtype
-    if name != "auto":
-        return getattr(torch, name)
-    first = ckpt.moe_keys(ckpt.moe_layer_indices[0])[0]
-    dtype = ckpt.reader.torch_dtype(first)
-    return dtype if dtype.is_floating_point else torch.float32
-
-
-def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
-    """Check every step on shapes; raise before any weight or token is touched."""
-    needs = set(recipe.needs) | ALWAYS
-    if recipe.calibration.propagate == "compressed":
-        if backward_needed(needs):
-            raise RecipeError(
-                "calibration.propagate: 'compressed' cannot be combined with gradient statistics "
-                f"(needed by {[s.label for s in recipe.steps if backward_needed(s.needs)]}); use 'original'"
-            )
-        planned = [s.label for s in recipe.steps if s.spec.plan is not None]
-        if planned:
-            raise RecipeError(
-                f"calibration.propagate: 'compressed' cannot be combined with cross-layer plans ({planned})"
-            )
-    if not ckpt.moe_layer_indices:
-        raise RecipeError(f"recipe field 'model': {ckpt.path} has no MoE layers")
-    for i in ckpt.moe_layer_indices:
-        layer = meta_layer(ckpt, i)
-        for step in recipe.steps:
-            if step.spec.check is not None:
-                try:
-                    step.spec.check(layer, step.config)
-                except PassError as err:
-                    raise PassError(f"{step.label}, layer {i}: {err}") from None
-    in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)
-    emitted = [s for s in recipe.steps if not s.spec.report_only]
-    return {
-        "model_type": ckpt.model_type,
-        "moe_layers": ckpt.moe_layer_indices,
-        "steps": [s.label for s in recipe.steps],
-        "statistics": sorted(needs),
-        "backward": backward_needed(needs),
-        "input_bytes": in_bytes,
-        "checkpoints": len(emitted) if recipe.emit == "every_step" else min(len(emitted), 1),
-        "estimated_output_bytes_per_checkpoint": in_bytes if emitted else 0,
-        "calibration_tokens": recipe.calibration.samples * recipe.calibration.seq_len,
-    }
+def _check_output(recipe: Recipe, ckpt: Checkpoint) -> None:
+    """The output may not be the input checkpoint, inside it, or hold it (``--overwrite`` would
+    replace the model being read)."""
+    out, src = Path(recipe.output).resolve(), ckpt.path.resolve()
+    if out == src or src in out.parents or out in src.parents:
+        raise RecipeError(
+            f"recipe field 'output': {recipe.output} overlaps the input checkpoint {ckpt.path}; choose an "
+            "output directory outside it"
+        )
 
 
 def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> str:
     """Fail in the dry run on a bad source, a missing tokenizer or an unusable cache directory;
     returns the source fingerprint (the statistics cache key)."""
-    from moecompress.calibration.sources import source_fingerprint
-
     c = recipe.calibration
     fingerprint = source_fingerprint(
         c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
@@ -121,8 +83,6 @@ def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> str:
 
 
 def _token_ids(recipe: Recipe, ckpt: Checkpoint) -> torch.Tensor:
-    from moecompress.calibration.sources import load_token_ids
-
     c = recipe.calibration
     return load_token_ids(c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed)
 
@@ -132,18 +92,14 @@ def calibrate_stats(
     ckpt: Checkpoint,
     ids: torch.Tensor,
     fingerprint: str,
+    ctx: RunContext,
     *,
-    progress: bool = True,
     on_layer=None,
     cache_key_extra: str = "",
 ) -> tuple[Path, dict]:
     """Find or compute the statistics every step needs; returns (cache entry, summary)."""
-    from moecompress.calibration.sweep import Batches, run_calibration
-    from moecompress.skeleton import Skeleton
-
     c = recipe.calibration
     needs = set(recipe.needs) | ALWAYS
-    dtype = compute_dtype(recipe, ckpt)
     root = Path(c.cache_dir) if c.cache_dir else Path(recipe.output).resolve().parent / ".moecompress-cache"
     key = {
         "source": fingerprint,
@@ -153,7 +109,7 @@ def calibrate_stats(
         "holdout": c.holdout_samples,
         "batch_size": c.batch_size,
         "sample_tokens": c.sample_tokens,
-        "dtype": str(dtype),
+        "dtype": str(ctx.dtype),
         "propagate": c.propagate,
         "extra": cache_key_extra,
     }
@@ -165,7 +121,7 @@ def calibrate_stats(
     entry = cache.begin(needs)
     t0 = time.perf_counter()
     summary = run_calibration(
-        Skeleton(ckpt, dtype),
+        Skeleton(ckpt, ctx.dtype),
         Batches.make(ids, c.holdout_samples, c.batch_size),
         needs,
         sample_tokens=c.sample_tokens,
@@ -173,7 +129,7 @@ def calibrate_stats(
         save_forward=lambda i, s: save_layer(entry, i, s),
         save_backward=lambda i, s: save_layer(entry, i, s, grad=True),
         on_layer=on_layer,
-        progress=progress,
+        progress=ctx.progress,
     )
     summary = {**summary, "seconds": round(time.perf_counter() - t0, 3), "cached": False}
     final = cache.finish(entry, needs, summary)
@@ -188,7 +144,7 @@ def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path) -> dict[int, dict[i
         if step.spec.plan is None:
             continue
         all_stats = {
-            i: LayerStats(i, load_layer(entry, i, step.needs), protected=frozenset(protected[i]))
+            i: step_stats(step, i, load_layer(entry, i), protected=frozenset(protected[i]))
             for i in ckpt.moe_layer_indices
         }
         plans[step.number] = step.spec.plan(all_stats, step.config)
@@ -198,72 +154,68 @@ def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path) -> dict[int, dict[i
     return plans
 
 
-def _coerce(recipe_or_path, overrides) -> Recipe:
+def _coerce(recipe_or_path, overrides, passes: Iterable[PassSpec]) -> Recipe:
     if isinstance(recipe_or_path, Recipe):
         if overrides:
             raise RecipeError("overrides need a recipe path or dict, not a loaded Recipe")
         return recipe_or_path
-    return load_recipe(recipe_or_path, overrides)
+    return load_recipe(recipe_or_path, overrides, passes=pass_table(passes))
 
 
 def apply(
     recipe: str | Path | Mapping[str, Any] | Recipe,
     overrides: Iterable[str] | Mapping[str, Any] = (),
     *,
+    passes: Iterable[PassSpec] = (),
     dry_run_only: bool = False,
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> RunResult:
-    """Run a recipe; see the module docstring. Returns the output directory and the run report."""
-    from moecompress.layer_loop import run_layer_loop
-
-    rec = _coerce(recipe, overrides)
+    """Run a recipe; see the module docstring. ``passes``: extra steps (plugins) besides the built-in
+    ones. Returns the output directory and the run report."""
+    rec = _coerce(recipe, overrides, passes)
     out = Path(rec.output)
-    if out.exists() and not overwrite and not dry_run_only:
+    journal = None
+    if resume:
+        done = finished(rec)
+        if done is not None:
+            log.info("%s is already finished by this recipe; nothing to resume", out)
+            return RunResult(out, done, resumed_finished=True)
+    elif out.exists() and not overwrite and not dry_run_only:
         raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
     ckpt = _open(rec)
+    _check_output(rec, ckpt)
     plan = dry_run(rec, ckpt)
     fingerprint = _check_calibration_source(rec, ckpt)
     if resume:
-        from moecompress.layer_loop import check_resumable
-
-        check_resumable(rec)
+        journal = resumable(rec)
+        if journal is None:
+            log.info("nothing durable to resume in %s; starting over", out)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
+    ctx = RunContext.for_recipe(rec, ckpt, progress=progress)
     ids = _token_ids(rec, ckpt)
     t0 = time.perf_counter()
-    extra = rec.fingerprint() if rec.calibration.propagate == "compressed" else ""
-    on_layer = None
-    if rec.calibration.propagate == "compressed":
-        from moecompress.layer_loop import compress_for_propagation
-
-        on_layer = compress_for_propagation(rec)
+    compressed = rec.calibration.propagate == "compressed"
     entry, calib = calibrate_stats(
-        rec, ckpt, ids, fingerprint, progress=progress, on_layer=on_layer, cache_key_extra=extra
-    )
+        rec, ckpt, ids, fingerprint, ctx,
+        on_layer=compress_for_propagation(rec) if compressed else None,
+        cache_key_extra=rec.fingerprint() if compressed else "",
+    )  # fmt: skip
     plans = run_plans(rec, ckpt, entry)
-    report = run_layer_loop(
-        rec,
-        ckpt,
-        entry,
-        plans,
-        calib=calib,
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-        started=t0,
-        dry=plan,
-    )
-    return RunResult(out, report)
+    run = RecipeRun(rec, ckpt, entry, plans, ctx, journal)
+    run.loop()
+    return RunResult(out, run.finish(calib, t0, plan))
 
 
-def calibrate(recipe, overrides=(), *, progress: bool = True) -> Path:
+def calibrate(recipe, overrides=(), *, passes: Iterable[PassSpec] = (), progress: bool = True) -> Path:
     """Statistics only (``moecompress calibrate``): returns the cache entry directory."""
-    rec = _coerce(recipe, overrides)
+    rec = _coerce(recipe, overrides, passes)
     ckpt = _open(rec)
     dry_run(rec, ckpt)
     fingerprint = _check_calibration_source(rec, ckpt)
-    ids = _token_ids(rec, ckpt)
-    entry, _ = calibrate_stats(rec, ckpt, ids, fingerprint, progress=progress)
+    entry, _ = calibrate_stats(
+        rec, ckpt, _token_ids(rec, ckpt), fingerprint, RunContext.for_recipe(rec, ckpt, progress=progress)
+    )
     return entry

@@ -13,11 +13,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from moecompress.codebook import kmeans_1d, nearest
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
+from moecompress.methods.kmeans import kmeans_1d, nearest
+from moecompress.methods.rotation import fake_quant_tokens
 from moecompress.reference import bank_input, moe_forward, route, router_logits
-from moecompress.rotation import fake_quant_tokens
 
 
 def rotate_bank(bank: ExpertBank, rotation: torch.Tensor, exempt: frozenset[int]) -> ExpertBank:

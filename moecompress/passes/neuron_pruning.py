@@ -31,18 +31,18 @@ with protected experts becomes ragged (protected experts keep full width).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field
 
+from moecompress.engine.spec import LayerStats, PassConfig
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts import Dense, Ragged
-from moecompress.registry import LayerStats, PassConfig
+from moecompress.layouts.base import meta_tensor
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.ragged import Ragged
+from moecompress.methods.widths import Scope, exempt_widths, neuron_norms, select_widths, uniform_width
 
 
 class NeuronPruneOptions(PassConfig):
@@ -76,115 +76,37 @@ def check_prunable(layer: MoELayer, cfg: NeuronPruneOptions) -> None:
         raise PassError(f"min_width={cfg.min_width} exceeds the expert width {bank.width}; lower it")
 
 
-def uniform_width(width: int, cfg: NeuronPruneOptions) -> int:
-    """The width every expert keeps under ``layout: uniform`` (and unseen experts under ``typical``)."""
-    floor = _min_allowed(width, cfg)
-    w = math.floor(width * (1 - cfg.ratio) / cfg.align + 0.5) * cfg.align  # nearest; ties keep more
-    return width if w >= width else max(floor, w)
+def pruned_shape(layer: MoELayer, cfg: NeuronPruneOptions) -> MoELayer:
+    """Shapes only: the layer :func:`prune` emits. ``uniform`` keeps one width (ragged when protected
+    experts keep their full width); ``ragged`` keeps about ``(1 - ratio)`` of the neurons, split per
+    expert by the data."""
+    bank = layer.experts
+    e, width, h, dt = bank.num_experts, bank.width, bank.hidden_size, bank.gate.dtype
+    protected = protected_physical(layer)
+    if cfg.layout == "uniform":
+        w = uniform_width(width, cfg)
+        if w == width or len(protected) == e:
+            return layer
+        if not protected:
+            lays = [Dense.meta_like(e, w, h, dt), Dense.meta_like(e, w, h, dt), Dense.meta_like(e, h, w, dt)]
+            return layer.replace(experts=_with_biases(bank, lays, w))
+        widths = torch.tensor([width if x in protected else w for x in range(e)])
+        lays = [Ragged.meta_like(width, h, axis, dt, widths=widths) for axis in ("out", "out", "in")]
+    else:
+        removed = round(cfg.ratio * e * width)
+        if removed == 0:
+            return layer
+        lays = [Ragged.meta_like(width, h, axis, dt, experts=e, live=e * width - removed) for axis in ("out", "out", "in")]
+    return layer.replace(experts=_with_biases(bank, lays, width))
 
 
-def _min_allowed(width: int, cfg: NeuronPruneOptions) -> int:
-    return min(width, math.ceil(cfg.min_width / cfg.align) * cfg.align)
-
-
-@dataclass
-class Scope:
-    """Experts competing for one budget: per layer, scores ``[E, I]`` and which experts are exempt."""
-
-    scores: dict[int, torch.Tensor]
-    fixed: dict[int, dict[int, int]]  # layer -> {expert: width decided outside the ranking}
-
-
-def exempt_widths(
-    scores: torch.Tensor, counts: torch.Tensor, protected: Iterable[int], cfg: NeuronPruneOptions
-) -> tuple[dict[int, int], list[int]]:
-    """Widths of the experts outside the ranking (protected; unseen unless ``unseen: prune``) and the
-    list of unseen experts. ``scores`` ``[E, I]`` is modified in place for ``unseen: prune``."""
-    width = scores.shape[1]
-    fixed = {int(e): width for e in protected}
-    unseen = [e for e in range(scores.shape[0]) if float(counts[e]) == 0 and e not in fixed]
-    for e in unseen:
-        if cfg.unseen == "keep":
-            fixed[e] = width
-        elif cfg.unseen == "typical":
-            fixed[e] = uniform_width(width, cfg)
-        else:
-            scores[e] = -1.0
-    return fixed, unseen
-
-
-def select_widths(scope: Scope, cfg: NeuronPruneOptions) -> dict[int, torch.Tensor]:
-    """Kept width per expert ``{layer: widths [E]}`` for the whole scope; see the module docstring."""
-    total = sum(s.numel() for s in scope.scores.values())
-    target = round(cfg.ratio * total)
-    widths = {i: torch.full((s.shape[0],), s.shape[1], dtype=torch.int64) for i, s in scope.scores.items()}
-    for i, fixed in scope.fixed.items():
-        for e, w in fixed.items():
-            widths[i][e] = w
-    target -= sum(int(s.shape[1] - widths[i][e]) for i, s in scope.scores.items() for e in scope.fixed[i])
-    cost, size, owner, depth = [], [], [], []
-    keys: list[tuple[int, int]] = []
-    for i, s in scope.scores.items():
-        allowed = torch.tensor(_allowed(s.shape[1], cfg))
-        rows = [e for e in range(s.shape[0]) if e not in scope.fixed[i]]
-        if not rows or len(allowed) < 2:
-            continue
-        srt = s[rows].double().sort(dim=1, descending=True).values
-        cs = torch.cat([srt.new_zeros(len(rows), 1), srt.cumsum(1)], dim=1)
-        sums = (cs[:, allowed[1:]] - cs[:, allowed[:-1]]).flip(1)  # units from the tail
-        cost.append(sums.cummax(1).values.flatten())  # non-decreasing from each tail
-        size.append(allowed.diff().flip(0).repeat(len(rows)))
-        owner.append(torch.arange(len(keys), len(keys) + len(rows)).repeat_interleave(sums.shape[1]))
-        keys += [(i, e) for e in rows]
-        depth.append(torch.arange(sums.shape[1]).repeat(len(rows)))
-    capacity = int(torch.cat(size).sum()) if size else 0
-    if target > capacity:
-        raise PassError(
-            f"ratio={cfg.ratio} needs {target} more neurons removed but only {capacity} are removable "
-            "(protected experts, min_width and unseen experts are exempt); lower the ratio"
-        )
-    if target <= 0 or not cost:
-        return widths
-    c, z, o = torch.cat(cost), torch.cat(size), torch.cat(owner)
-    d = torch.cat(depth)
-    order = torch.arange(len(c))
-    for key in (d, o, c):  # lexicographic (cost, expert, depth from the tail) by stable sorts
-        order = order[key[order].sort(stable=True).indices]
-    removed = torch.zeros(len(keys), dtype=torch.int64)
-    csum = z[order].cumsum(0)
-    k = int(torch.searchsorted(csum, torch.tensor(target), right=True))
-    removed.index_add_(0, o[order[:k]], z[order[:k]])
-    left = target - (int(csum[k - 1]) if k else 0)
-    closed: set[int] = set()
-    for u in order[k:].tolist():  # only when align leaves a remainder
-        if left <= 0:
-            break
-        who = int(o[u])
-        if who in closed:
-            continue
-        if int(z[u]) <= left:
-            removed[who] += z[u]
-            left -= int(z[u])
-        else:
-            closed.add(who)
-    for n, (i, e) in enumerate(keys):
-        widths[i][e] -= removed[n]
-    return widths
-
-
-def _allowed(width: int, cfg: NeuronPruneOptions) -> list[int]:
-    lo = _min_allowed(width, cfg)
-    return sorted({*range(lo, width + 1, cfg.align), width})
+def _with_biases(bank: ExpertBank, lays: list, width: int) -> ExpertBank:
+    biases = {k: b if k == "down" else meta_tensor(b.shape[0], width, dtype=b.dtype) for k, b in bank.biases.items()}
+    return ExpertBank(*lays, biases=biases, act=bank.act, alpha=bank.alpha, limit=bank.limit)
 
 
 def protected_physical(layer: MoELayer) -> set[int]:
     return {layer.physical(e) for e in layer.protected}
-
-
-def neuron_norms(bank: ExpertBank) -> torch.Tensor:
-    """``[E, I]``: L2 norm of each neuron's 3·H weights (gate row, up row, down column)."""
-    g, u, d = (lay.dense().float() for lay in (bank.gate, bank.up, bank.down))
-    return (g.pow(2).sum(-1) + u.pow(2).sum(-1) + d.pow(2).sum(1)).sqrt()
 
 
 def prune_layer(layer: MoELayer, key: torch.Tensor, widths: torch.Tensor, uniform: bool) -> MoELayer:
@@ -320,6 +242,11 @@ def one_width_members(layer: MoELayer, step: str, verb: str) -> tuple[list[int],
     bank = layer.experts
     protected = sorted({layer.physical(e) for e in layer.protected})
     members = [e for e in range(bank.num_experts) if e not in protected]
+    if bank.widths is not None and bank.widths.device.type == "meta":  # dry run: per-expert widths
+        raise PassError(
+            f"the {verb} experts are pruned to per-expert widths (ragged); {step} needs one width (prune with "
+            "heapr layout: uniform)"
+        )
     widths = {bank.width_of(e) for e in members}
     if len(widths) > 1:
         raise PassError(

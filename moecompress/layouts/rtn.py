@@ -19,7 +19,7 @@ lie in ``[1, 2^b − 1]``; ``q − 2^(b−1)`` is the signed int of compressed-t
 
 Storage (``M`` quantised experts, ``P`` protected ones, ``M + P = E``)::
 
-    codes    uint8   [M, out, ceil(in·b/8)]   bit-packed per row (moecompress.bitpack)
+    codes    uint8   [M, out, ceil(in·b/8)]   bit-packed per row (moecompress.layouts.bitpack)
     scales   float16 [M, out, G]
     zeros    uint8   [M, out, G]              (asymmetric only)
     members  int64   [E]                      index into the quantised experts, or -1
@@ -38,9 +38,10 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moecompress.bitpack import BITS, pack_bits, packed_size, unpack_bits
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout, member_slots
+from moecompress.layouts.base import Layout, member_slots, meta_members, meta_tensor
+from moecompress.layouts.bitpack import BITS, pack_bits, packed_size, unpack_bits
+from moecompress.methods.scalar_quant import dequantize, group_width, quantize
 
 _DT = {
     "float32": torch.float32,
@@ -48,62 +49,6 @@ _DT = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-
-
-def group_width(inn: int, group_size: int) -> int:
-    """The group width for rows of ``inn`` inputs (``-1``: the whole row); raises when it does not divide."""
-    gs = inn if group_size == -1 else group_size
-    if gs < 1 or inn % gs:
-        raise LayoutError(
-            f"group_size={group_size} does not divide the {inn} input channels of a row; use a divisor of "
-            f"{inn} or group_size: -1 (one group per output channel)"
-        )
-    return gs
-
-
-def quantize(
-    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Round-to-nearest of ``w`` ``[..., out, in]``: integer codes ``[..., out, in]`` (uint8, unpacked),
-    float16 scales ``[..., out, G]`` and uint8 zero points ``[..., out, G]`` (``None`` if ``symmetric``)."""
-    if bits not in BITS:
-        raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
-    *lead, out, inn = w.shape
-    gs = group_width(inn, group_size)
-    g = w.float().reshape(*lead, out, inn // gs, gs)
-    qmax = (1 << bits) - 1
-    if symmetric:
-        raw = g.abs().amax(-1) / ((1 << (bits - 1)) - 1)
-    else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        raw = (hi - lo) / qmax
-    if raw.numel() and (not bool(torch.isfinite(raw).all()) or float(raw.max()) > _FP16_MAX):
-        raise LayoutError(
-            "weights are too large (or not finite) for float16 group scales; check the checkpoint for inf/NaN"
-        )
-    scales = raw.to(torch.float16)
-    s = scales.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    if symmetric:
-        z = torch.full_like(s, float(1 << (bits - 1)))
-    else:
-        z = torch.clamp(torch.round(-lo / safe), 0, qmax)
-    q = torch.clamp(torch.round(g / safe[..., None]) + z[..., None], 0, qmax)
-    codes = q.to(torch.uint8).reshape(*lead, out, inn)
-    return codes, scales, None if symmetric else z.to(torch.uint8)
-
-
-def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int
-) -> torch.Tensor:
-    """float32 weights ``(q − z) · s`` from codes ``[..., out, in]`` (unpacked), scales and zero points
-    ``[..., out, G]`` (``zeros=None``: symmetric, ``z = 2^(bits−1)``)."""
-    *lead, out, inn = codes.shape
-    g = scales.shape[-1]
-    q = codes.to(torch.int32).reshape(*lead, out, g, inn // g)
-    z = (1 << (bits - 1)) if zeros is None else zeros.to(torch.int32)[..., None]
-    return ((q - z).float() * scales.float()[..., None]).reshape(*lead, out, inn)
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,6 +123,19 @@ class RTN(Layout):
         zero_t = None if symmetric else torch.cat(zeros)
         dense = weight[rest].clone() if rest else weight.new_zeros(0, out, inn)
         return cls(torch.cat(codes), torch.cat(scales), zero_t, members, dense, bits, int(inn), weight.dtype)
+
+    @classmethod
+    def meta_like(
+        cls, experts: int, out: int, inn: int, *, bits: int, group_size: int, symmetric: bool, exact: int,
+        dtype: torch.dtype,
+    ) -> RTN:
+        """Shapes only (``meta``): what :meth:`from_dense` stores with ``exact`` protected experts."""
+        m, g = experts - exact, inn // group_width(inn, group_size)
+        return cls(
+            meta_tensor(m, out, packed_size(inn, bits), dtype=torch.uint8), meta_tensor(m, out, g, dtype=torch.float16),
+            None if symmetric else meta_tensor(m, out, g, dtype=torch.uint8), meta_members(experts),
+            meta_tensor(exact, out, inn, dtype=dtype), bits, inn, dtype,
+        )  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -266,6 +224,3 @@ class RTN(Layout):
             tensors["codes"], tensors["scales"], tensors.get("zeros"), tensors["members"].to(torch.int64),
             dense, int(meta["bits"]), inn, dtype,
         )  # fmt: skip
-
-
-LAYOUTS[RTN.kind] = RTN

@@ -1,4 +1,4 @@
-"""Sections of the model card (split from :mod:`moecompress.io.card`)."""
+"""Sections of the model card (split from :mod:`moecompress.hub.card`)."""
 
 from __future__ import annotations
 

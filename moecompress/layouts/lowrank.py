@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout
+from moecompress.layouts.base import Layout, meta_members, meta_tensor
 
 
 def _on_meta(*ts: torch.Tensor) -> bool:
@@ -88,6 +88,17 @@ class LowRank(Layout):
         stack = torch.stack([dense[e] for e in rest]) if rest else like.new_zeros(0, out, inn)
         ranks = torch.tensor([factors[e][0].shape[1] for e in ids], dtype=torch.int64)
         return cls(u.contiguous(), v.contiguous(), ranks, members, stack.contiguous())
+
+    @classmethod
+    def meta_like(
+        cls, experts: int, out: int, inn: int, *, factorised: int, total_rank: int, dtype: torch.dtype
+    ) -> LowRank:
+        """Shapes only (``meta``): ``factorised`` experts of summed rank ``total_rank``, the rest dense."""
+        return cls(
+            meta_tensor(out, total_rank, dtype=dtype), meta_tensor(total_rank, inn, dtype=dtype),
+            meta_tensor(factorised, dtype=torch.int64), meta_members(experts),
+            meta_tensor(experts - factorised, out, inn, dtype=dtype),
+        )  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -160,6 +171,3 @@ class LowRank(Layout):
             _, out, inn = meta["shape"]
             dense = u.new_zeros(0, int(out), int(inn))
         return cls(u, tensors["v"], tensors["ranks"].to(torch.int64), members, dense)
-
-
-LAYOUTS[LowRank.kind] = LowRank

@@ -1,4 +1,4 @@
-"""PNG plots for step reports (split from :mod:`moecompress.report`).
+"""PNG plots for step reports (:mod:`moecompress.report.write.write` draws them).
 
 matplotlib is optional (extra ``plots``) and used through its object API on the Agg canvas: no pyplot,
 no global backend switch. A plot that cannot be drawn is skipped with a note, never raised.
@@ -27,7 +27,7 @@ _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 _PLOT_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.png")
 
 
-def _write_atomic(path: Path, data: bytes) -> Path:
+def write_atomic(path: Path, data: bytes) -> Path:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "xb") as fh:
@@ -41,7 +41,7 @@ def _write_atomic(path: Path, data: bytes) -> Path:
     return path
 
 
-def _num(x: object) -> float | None:
+def num(x: object) -> float | None:
     """A number from a json_safe value (``"inf"`` strings included), else None."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
@@ -59,7 +59,7 @@ def _load_matplotlib() -> tuple[Any, Any] | None:
 
 
 def _series(rows: list[dict], key: str) -> list[float]:
-    vals = [_num(r.get(key)) for r in rows]
+    vals = [num(r.get(key)) for r in rows]
     return [v if v is not None and math.isfinite(v) else math.nan for v in vals]
 
 
@@ -136,7 +136,7 @@ def _spec_problem(spec: object, taken: set[str]) -> str | None:
     return None if "data" in spec else f"plot {file} skipped: no 'data'"
 
 
-def _write_plots(directory: Path, rows: list[dict], extra: list, notes: list[str]) -> list[tuple[Path, str]]:
+def write_plots(directory: Path, rows: list[dict], extra: list, notes: list[str]) -> list[tuple[Path, str]]:
     """Standard plots, then the extra specs; returns ``(path, title)`` of every PNG written."""
     mpl = _load_matplotlib()
     if mpl is None:
@@ -165,7 +165,7 @@ def _write_plots(directory: Path, rows: list[dict], extra: list, notes: list[str
             draw(fig)
             buf = io.BytesIO()
             fig.savefig(buf, format="png", dpi=100)
-            written.append((_write_atomic(directory / file, buf.getvalue()), title))
+            written.append((write_atomic(directory / file, buf.getvalue()), title))
         except Exception as exc:  # a plot must never fail the run
             log.warning("plot %s skipped: %s", file, exc)
             notes.append(f"plot {file} skipped: {type(exc).__name__}: {exc}")

@@ -24,7 +24,7 @@ import torch
 
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank
-from moecompress.layouts import Dense
+from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_forward
 
 Params = dict[str, torch.Tensor]

@@ -5,7 +5,7 @@ model: path/or/hub-id
 output: out/dir
 calibration: {source: builtin, samples: 128, seq_len: 512, seed: 0}
 emit: final                  # or every_step: which steps write a checkpoint (reports always)
-steps:                       # ordered; a step name is a registry key; numbered from 1 in messages
+steps:                       # ordered; a step name is a pass name; numbered from 1 in messages
   - analyze: {}
   - identity: {}
 ```
@@ -29,8 +29,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from moecompress.engine.spec import PassConfig, PassSpec
 from moecompress.errors import RecipeError
-from moecompress.registry import PassConfig, PassSpec, available_passes, get_pass
+from moecompress.passes import BUILTIN_PASSES
 
 
 class CalibrationConfig(BaseModel):
@@ -190,7 +191,7 @@ def _read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
+def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected key=value, e.g. calibration.samples=256")
     key, _, raw = item.partition("=")
@@ -209,7 +210,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str
     items = (
         [(str(k).split("."), v) for k, v in overrides.items()]
         if isinstance(overrides, Mapping)
-        else [_parse_override(o) for o in overrides]
+        else [parse_override(o) for o in overrides]
     )
     for parts, value in items:
         key = ".".join(parts)
@@ -233,7 +234,19 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str
     return data
 
 
-def _parse_step(number: int, item: Any) -> Step:
+def pass_table(extra: Iterable[PassSpec] = ()) -> dict[str, PassSpec]:
+    """The built-in passes plus ``extra`` ones (plugins, tests); a name may not be taken twice."""
+    table = dict(BUILTIN_PASSES)
+    for spec in extra:
+        if not isinstance(spec, PassSpec):
+            raise RecipeError(f"passes=: expected PassSpec objects, got {type(spec).__name__}")
+        if spec.name in table:
+            raise RecipeError(f"passes=: a pass named {spec.name!r} exists already; choose another name")
+        table[spec.name] = spec
+    return table
+
+
+def _parse_step(number: int, item: Any, passes: Mapping[str, PassSpec]) -> Step:
     if isinstance(item, str):
         item = {item: {}}
     if not isinstance(item, dict) or len(item) != 1:
@@ -242,12 +255,11 @@ def _parse_step(number: int, item: Any) -> Step:
         )
     name, cfg = next(iter(item.items()))
     name = str(name)
-    if name not in available_passes():
+    if name not in passes:
         raise RecipeError(
-            f"step {number}: unknown step {name!r}{_suggest(name, available_passes())}; "
-            f"available: {', '.join(available_passes())}"
+            f"step {number}: unknown step {name!r}{_suggest(name, passes)}; available: {', '.join(sorted(passes))}"
         )
-    spec = get_pass(name)
+    spec = passes[name]
     if cfg is None:
         cfg = {}
     if not isinstance(cfg, dict):
@@ -260,15 +272,19 @@ def _parse_step(number: int, item: Any) -> Step:
 
 
 def load_recipe(
-    source: str | Path | Mapping[str, Any], overrides: Iterable[str] | Mapping[str, Any] = ()
+    source: str | Path | Mapping[str, Any],
+    overrides: Iterable[str] | Mapping[str, Any] = (),
+    *,
+    passes: Mapping[str, PassSpec] = BUILTIN_PASSES,
 ) -> Recipe:
-    """Parse and validate a recipe (path to YAML, or a dict) with optional overrides."""
+    """Parse and validate a recipe (path to YAML, or a dict) with optional overrides; step names are
+    looked up in ``passes`` (see :func:`pass_table`)."""
     data = apply_overrides(_read(source), overrides)
     try:
         raw = _RecipeModel.model_validate(data)
     except ValidationError as err:
         raise _explain(err, "recipe", _RecipeModel) from None
-    steps = tuple(_parse_step(n, item) for n, item in enumerate(raw.steps, start=1))
+    steps = tuple(_parse_step(n, item, passes) for n, item in enumerate(raw.steps, start=1))
     return Recipe(
         model=raw.model,
         output=raw.output,

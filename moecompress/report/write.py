@@ -18,7 +18,7 @@ import enum
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -26,56 +26,14 @@ import numpy as np
 import torch
 import yaml
 
+from moecompress.methods.metrics import chunks
+from moecompress.report.plots import num, write_atomic, write_plots
+
 log = logging.getLogger(__name__)
 
-from moecompress.report_plots import MATPLOTLIB_MISSING, _num, _write_atomic, _write_plots  # noqa: E402, F401
-
 MAX_LIST_ELEMENTS = 65_536  # tensors/arrays up to this size (1-D/2-D) become lists, larger ones summaries
-_CHUNK = 1 << 22  # elements per float64 chunk when measuring errors and summarising tensors
 _SIZE_KEYS = ("params_before", "params_after", "bytes_before", "bytes_after")
 _NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-# --------------------------------------------------------------------------------------------- metrics
-def _chunks(*tensors: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """Aligned float64 chunks of the flattened tensors (on the first one's device): bounded memory."""
-    flat = [t.detach().reshape(-1) for t in tensors]
-    for start in range(0, flat[0].numel(), _CHUNK):
-        yield [f[start : start + _CHUNK].to(device=flat[0].device, dtype=torch.float64) for f in flat]
-
-
-def _error_sums(reference: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
-    """``(sum(ref²), sum((ref-approx)²))`` in float64, chunked so memory stays bounded."""
-    if reference.shape != approx.shape:
-        raise ValueError(
-            f"shapes differ: reference {list(reference.shape)}, approximation {list(approx.shape)}"
-        )
-    if reference.is_meta or approx.is_meta:
-        raise ValueError("cannot measure errors on meta tensors (dry run); measure on real weights")
-    signal = noise = 0.0
-    for r, a in _chunks(reference, approx):
-        signal += float(r.square().sum())
-        noise += float((r - a).square().sum())
-    return signal, noise
-
-
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """``10·log10(Σref² / Σ(ref-approx)²)``; ``inf`` when identical, ``-inf`` when ``ref`` is zero."""
-    signal, noise = _error_sums(reference, approx)
-    if noise == 0.0:
-        return math.inf
-    ratio = signal / noise
-    if math.isnan(ratio) or math.isinf(ratio):
-        return ratio
-    return -math.inf if ratio == 0.0 else 10.0 * math.log10(ratio)
-
-
-def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """``‖ref-approx‖_F / ‖ref‖_F``; 0 when identical, ``inf`` when ``ref`` is zero and ``approx`` not."""
-    signal, noise = _error_sums(reference, approx)
-    if noise == 0.0:
-        return 0.0
-    return math.inf if signal == 0.0 else math.sqrt(noise / signal)
 
 
 # ------------------------------------------------------------------------------------------- json_safe
@@ -91,7 +49,7 @@ def _tensor_safe(t: torch.Tensor) -> object:
     out: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype), "numel": n}
     if n and not t.is_complex() and t.dtype != torch.bool:
         lo, hi, s1, s2 = math.inf, -math.inf, 0.0, 0.0
-        for (c,) in _chunks(t):
+        for (c,) in chunks(t):
             lo, hi = min(lo, float(c.min())), max(hi, float(c.max()))
             s1, s2 = s1 + float(c.sum()), s2 + float(c.square().sum())
         out.update(min=lo, max=hi, mean=s1 / n, std=math.sqrt(max(s2 / n - (s1 / n) ** 2, 0.0)))
@@ -157,7 +115,7 @@ def _yaml_block(safe: object) -> list[str]:
 
 # ---------------------------------------------------------------------------------------- formatting
 def _fmt(x: object, spec: str) -> str:
-    v = _num(x)
+    v = num(x)
     if v is None:
         return "—"
     if math.isnan(v):
@@ -166,7 +124,7 @@ def _fmt(x: object, spec: str) -> str:
 
 
 def _fmt_bytes(x: object) -> str:
-    v = _num(x)
+    v = num(x)
     if v is None or not math.isfinite(v):
         return _fmt(x, ".0f")
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -177,7 +135,7 @@ def _fmt_bytes(x: object) -> str:
 
 
 def _delta_pct(before: object, after: object) -> float | None:
-    b, a = _num(before), _num(after)
+    b, a = num(before), num(after)
     return None if b is None or a is None or b == 0 else (a - b) / b * 100.0
 
 
@@ -194,7 +152,7 @@ def _bullets(title: str, items: list[object]) -> list[str]:
 
 
 def _sum(rows: list[dict], key: str) -> float | int | None:
-    vals = [v for v in (_num(r.get(key)) for r in rows) if v is not None]
+    vals = [v for v in (num(r.get(key)) for r in rows) if v is not None]
     total = sum(vals) if vals else None
     return int(total) if total is not None and key != "seconds" and math.isfinite(total) else total
 
@@ -237,8 +195,8 @@ def _layer_table(rows: list[dict], totals: dict[str, Any]) -> list[str]:
 
 
 def _write_pair(directory: Path, out: dict, md: list[str]) -> list[Path]:
-    written = [_write_atomic(directory / "report.json", _json_bytes(out))]
-    return [*written, _write_atomic(directory / "report.md", "\n".join(md).encode())]
+    written = [write_atomic(directory / "report.json", _json_bytes(out))]
+    return [*written, write_atomic(directory / "report.md", "\n".join(md).encode())]
 
 
 def write_step_report(directory: Path, report: dict) -> list[Path]:
@@ -255,7 +213,7 @@ def write_step_report(directory: Path, report: dict) -> list[Path]:
     totals = _totals([_sum(rows, k) for k in (*_SIZE_KEYS, "seconds")])
     notes: list[str] = []
     extra = report.get("plots") or []
-    pngs = _write_plots(directory, rows, list(extra), notes)
+    pngs = write_plots(directory, rows, list(extra), notes)
     out = {
         **safe,
         "plots": [p.name for p, _ in pngs],
@@ -277,7 +235,7 @@ def write_step_report(directory: Path, report: dict) -> list[Path]:
 
 
 def _pick(steps: list[dict], key: str, last: bool = False) -> object:
-    vals = [s.get(key) for s in steps if _num(s.get(key)) is not None]
+    vals = [s.get(key) for s in steps if num(s.get(key)) is not None]
     return (vals[-1] if last else vals[0]) if vals else None
 
 

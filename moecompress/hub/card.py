@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from moecompress.errors import CheckpointError
-from moecompress.io.card_sections import (
+from moecompress.hub.card_sections import (
     QUANTIZERS,
     STEP_KINDS,
     _calibration_section,
@@ -191,8 +191,8 @@ def model_card(
     cfg = base_config or {}
     arch = [f"`{_cell(cfg['model_type'])}`"] if isinstance(cfg.get("model_type"), str) else []
     if isinstance(cfg.get("architectures"), list) and cfg["architectures"]:
-        name = f"({_cell(cfg['architectures'][0])})"
-        arch = [f"{arch[0]} {name}"] if arch else [name]
+        cls = f"({_cell(cfg['architectures'][0])})"
+        arch = [f"{arch[0]} {cls}"] if arch else [cls]
     if _int(cfg.get("num_hidden_layers")):
         arch.append(f"{cfg['num_hidden_layers']} layers")
     if _n_experts(cfg):

@@ -4,7 +4,7 @@ What is uploaded is exactly :func:`upload_files`: every file of the directory ex
 directories (``.moecompress-cache``, ``.<out>.partial``, temporary ``.*.tmp`` siblings), ``*.partial``,
 ``*.tmp``, resume journals and ``__pycache__``. Without a ``README.md`` (or when it is the base
 model's card, which a run copies with the other non-weight files) the model card is generated first
-(:mod:`moecompress.io.card`, from ``report.json`` and ``config.json``). ``dry_run=True`` makes no
+(:mod:`moecompress.hub.card`, from ``report.json`` and ``config.json``). ``dry_run=True`` makes no
 network call: it copies exactly those files, plus the generated card, into a staging directory
 (default ``<dir>.push-preview`` beside it) — the folder that would be uploaded.
 
@@ -24,7 +24,7 @@ from typing import Any
 from huggingface_hub import HfApi
 
 from moecompress.errors import MoecompressError, OutputExistsError
-from moecompress.io.card import card_inputs, model_card, write_model_card
+from moecompress.hub.card import card_inputs, model_card, write_model_card
 
 
 class HubError(MoecompressError):

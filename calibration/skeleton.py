@@ -18,7 +18,6 @@ No transformers class is patched; only module instances of our own skeleton are 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from moecompress.errors import CheckpointError
 from moecompress.io.checkpoint import Checkpoint
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import MoELayer, cast_layer
 from moecompress.reference import moe_forward
 
 log = logging.getLogger(__name__)
@@ -53,32 +52,6 @@ class InstrumentedMoE(nn.Module):
             obs.on_output(out)
         out = out.reshape(shape)
         return (out, None) if self.returns_tuple else out
-
-
-def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
-    """``layer`` with its dense weights in ``dtype`` (calibration compute dtype)."""
-
-    def bank(b: ExpertBank | None) -> ExpertBank | None:
-        if b is None:
-            return None
-        return dataclasses.replace(
-            b,
-            gate=b.gate.cast(dtype),
-            up=b.up.cast(dtype),
-            down=b.down.cast(dtype),
-            biases={k: v.to(dtype) for k, v in b.biases.items()},
-        )  # a rotation stays float32: rounding it would break the rotated weights' exactness
-
-    def t(x):
-        return None if x is None else x.to(dtype) if x.is_floating_point() else x
-
-    return layer.replace(
-        experts=bank(layer.experts),
-        shared=bank(layer.shared),
-        router_weight=t(layer.router_weight),
-        router_bias=t(layer.router_bias),
-        shared_gate=t(layer.shared_gate),
-    )
 
 
 class _Stop(Exception):

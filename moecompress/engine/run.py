@@ -1,47 +1,37 @@
-"""The streaming layer loop: steps per MoE layer, one writer per emitted checkpoint, journal, reports.
+"""A recipe's pass over the checkpoint: the steps per MoE layer, one writer per emitted checkpoint, the
+journal, then reports and the atomic rename.
 
-Everything is written into ``.<output>.partial/`` beside the output directory and renamed onto it
-only at the end. After each shard flush (all writers flush together, at a decoder-layer boundary)
-``journal.json`` records the flushed shards and the per-layer report rows, so ``--resume`` after a
-crash (``kill -9`` included) drops any half-written part, restores the writers and continues with
-the first layer that was not yet durable. Every computation is deterministic, so the resumed output
-is byte-identical to an uninterrupted run.
+Everything is written into ``.<output>.partial/`` beside the output directory and renamed onto it only
+at the end (:mod:`moecompress.engine.journal` says how ``--resume`` continues). The loop itself is
+:func:`moecompress.engine.layer_loop.stream_layers`; every computation is deterministic, so a resumed
+output is byte-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import resource
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import torch
-from tqdm.auto import tqdm
-
+from moecompress._version import __version__
 from moecompress.calibration.cache import load_layer
-from moecompress.errors import MoecompressError, PassError, ResumeError
+from moecompress.engine.context import RunContext
+from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
+from moecompress.engine.layer_loop import stream_layers
+from moecompress.engine.protection import MASSIVE_RATIO_WARNING, TopActivation
+from moecompress.engine.recipe import Recipe
+from moecompress.engine.steps import run_step, step_stats
+from moecompress.hub.card import write_model_card
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
 from moecompress.io.writer import ShardWriter, move_into_place
-from moecompress.ir import MoELayer
-from moecompress.protection import (
-    MASSIVE_RATIO_WARNING,
-    RENUMBER_KEY,
-    TopActivation,
-    protection_violations,
-)
-from moecompress.recipe import Recipe, Step
+from moecompress.ir import cast_layer
+from moecompress.methods.metrics import relative_error, sqnr_db
 from moecompress.reference import moe_forward
-from moecompress.registry import LayerStats
-from moecompress.report import json_safe, relative_error, sqnr_db, write_run_report, write_step_report
-from moecompress.skeleton import cast_layer
-
-JOURNAL = "journal.json"
+from moecompress.report.write import json_safe, write_run_report, write_step_report
 
 
 def rss_mb() -> float:
@@ -57,37 +47,6 @@ def rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, dict]:
-    """One step on one layer, with errors that name the step and the layer; enforces the protection
-    contract (:mod:`moecompress.protection`)."""
-    try:
-        new, info = step.spec.fn(layer, stats, step.config)
-    except MoecompressError as err:
-        raise PassError(f"{step.label}, layer {layer.index}: {err}") from None
-    if not isinstance(new, MoELayer) or not isinstance(info, dict):
-        raise PassError(f"{step.label}: a pass must return (MoELayer, dict), got {type(new).__name__}")
-    if step.spec.report_only:
-        return layer, info
-    broken = protection_violations(layer, new, info.get(RENUMBER_KEY))
-    if broken:
-        raise PassError(
-            f"{step.label}, layer {layer.index}: {broken[0]} ({len(broken)} violation(s)); protected (super) "
-            "experts must stay bit-identical: the pass must skip layer.protected"
-        )
-    return new, info
-
-
-def compress_for_propagation(rec: Recipe):
-    """``calibration.propagate: compressed``: the layer that the next layer's inputs come from."""
-
-    def on_layer(i: int, layer: MoELayer, stats: dict[str, torch.Tensor]) -> MoELayer:
-        for step in rec.steps:
-            layer, _ = run_step(step, layer, LayerStats(i, stats))
-        return layer
-
-    return on_layer
-
-
 def _checkpoint_dirs(rec: Recipe, staging: Path) -> dict[int, Path]:
     emitted = [s for s in rec.steps if not s.spec.report_only]
     if rec.emit == "final":
@@ -98,46 +57,22 @@ def _checkpoint_dirs(rec: Recipe, staging: Path) -> dict[int, Path]:
     return dirs
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(json_safe(obj), allow_nan=False))
-    os.replace(tmp, path)
+class RecipeRun:
+    """The state of one run: writers, per-layer report rows and infos, what the journal records."""
 
-
-def check_resumable(rec: Recipe) -> dict:
-    """The journal of an interrupted run of this recipe, or a ResumeError (before any work)."""
-    out = Path(rec.output)
-    staging = out.parent / f".{out.name}.partial"
-    journal = staging / JOURNAL
-    if not journal.is_file():
-        raise ResumeError(f"nothing to resume: no journal in {staging}; run without --resume")
-    try:
-        j = json.loads(journal.read_text())
-    except json.JSONDecodeError:
-        raise ResumeError(f"{journal} is damaged; run without --resume") from None
-    if j.get("recipe") != rec.fingerprint():
-        raise ResumeError(f"{staging} belongs to a different recipe; run without --resume")
-    return j
-
-
-class _Run:
-    def __init__(self, rec: Recipe, ckpt: Checkpoint, entry: Path, plans: dict, resume: bool) -> None:
-        self.rec, self.ckpt, self.entry, self.plans = rec, ckpt, entry, plans
-        out = Path(rec.output)
-        self.out = out
-        self.staging = out.parent / f".{out.name}.partial"
+    def __init__(
+        self, rec: Recipe, ckpt: Checkpoint, entry: Path, plans: dict, ctx: RunContext, journal: dict | None
+    ) -> None:
+        self.rec, self.ckpt, self.entry, self.plans, self.ctx = rec, ckpt, entry, plans, ctx
+        self.out = Path(rec.output)
+        self.staging = staging_dir(rec.output)
         self.dirs = _checkpoint_dirs(rec, self.staging)
         self.rows: dict[int, list[dict]] = {s.number: [] for s in rec.steps}
         self.infos: dict[int, dict[int, dict]] = {s.number: {} for s in rec.steps}
         self.seconds = {s.number: 0.0 for s in rec.steps}
         self.peak = {s.number: 0.0 for s in rec.steps}
         self.start_group = 0
-        from moecompress.executor import compute_dtype
-
-        self.dtype = compute_dtype(rec, ckpt)
-        if resume:
-            j = check_resumable(rec)
-        else:
+        if journal is None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging.mkdir(parents=True)
         self.writers = {
@@ -146,18 +81,21 @@ class _Run:
         self.descs: dict[int, dict[int, dict | None]] = {n: {} for n in self.writers}
         self.shapes: dict[int, dict[int, list[int]]] = {n: {} for n in self.writers}
         self.protected: dict[int, dict[str, list[int]]] = {n: {} for n in self.writers}
-        if resume:
-            for n, w in self.writers.items():
-                w.restore(j["writers"][str(n)])
-            self.rows = {int(k): v for k, v in j["rows"].items()}
-            self.infos = {int(k): {int(i): x for i, x in v.items()} for k, v in j["infos"].items()}
-            self.start_group = int(j["done_group"]) + 1
-            self.descs = {int(n): {int(i): d for i, d in v.items()} for n, v in j["descs"].items()}
-            self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
-            self.protected = {int(n): v for n, v in j["protected"].items()}
+        if journal is not None:
+            self._restore(journal)
+
+    def _restore(self, j: dict) -> None:
+        for n, w in self.writers.items():
+            w.restore(j["writers"][str(n)])
+        self.rows = {int(k): v for k, v in j["rows"].items()}
+        self.infos = {int(k): {int(i): x for i, x in v.items()} for k, v in j["infos"].items()}
+        self.start_group = int(j["done_group"]) + 1
+        self.descs = {int(n): {int(i): d for i, d in v.items()} for n, v in j["descs"].items()}
+        self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
+        self.protected = {int(n): v for n, v in j["protected"].items()}
 
     def save_journal(self, done_group: int) -> None:
-        _write_json_atomic(
+        write_json_atomic(
             self.staging / JOURNAL,
             {
                 "recipe": self.rec.fingerprint(),
@@ -174,17 +112,18 @@ class _Run:
     def moe_layer(self, idx: int) -> None:
         layer = self.ckpt.read_layer(idx)
         stats = load_layer(self.entry, idx)
+        dtype = self.ctx.dtype
         hx = stats.get("holdout_x")
         hy = None
         if hx is not None:  # the original block on the held-back tokens: the reference for every step
-            hx = hx.to(self.dtype)
+            hx = hx.to(dtype)
             top0 = TopActivation()
-            hy = moe_forward(cast_layer(layer, self.dtype), hx, top0)
+            hy = moe_forward(cast_layer(layer, dtype), hx, top0)
         for step in self.rec.steps:
             # sizes compare the step's input and output; the error is cumulative (vs the original block)
             before_params, before_bytes = layer.num_params(), layer.nbytes()
             t0 = time.perf_counter()
-            st = LayerStats(idx, stats, plan=self.plans.get(step.number, {}).get(idx))
+            st = step_stats(step, idx, stats, plan=self.plans.get(step.number, {}).get(idx))
             new, info = run_step(step, layer, st)
             secs = time.perf_counter() - t0
             row = {
@@ -197,7 +136,7 @@ class _Run:
             }
             if hx is not None and hy is not None:
                 top = TopActivation()
-                approx = moe_forward(cast_layer(new, self.dtype), hx, top)
+                approx = moe_forward(cast_layer(new, dtype), hx, top)
                 row["rel_error"], row["sqnr_db"] = relative_error(hy, approx), sqnr_db(hy, approx)
                 row["massive_ratio"] = top.value / top0.value if top0.value > 0 else 1.0
             self.rows[step.number].append(row)
@@ -213,38 +152,13 @@ class _Run:
             self.peak[step.number] = max(self.peak[step.number], rss_mb())
             layer = new
 
-    def loop(self, progress: bool) -> None:
-        moe = set(self.ckpt.moe_layer_indices)
-        groups = self.ckpt.key_groups()
-        for g, (idx, keys) in enumerate(tqdm(groups, desc="compress", unit="layer", disable=not progress)):
-            if g < self.start_group:
-                continue
-            need = sum(self.ckpt.reader.nbytes(k) for k in keys)
-            if any(
-                w.buffered_bytes and w.buffered_bytes + need > w.max_shard_size for w in self.writers.values()
-            ):
-                for w in self.writers.values():
-                    w.flush()
-                self.save_journal(g - 1)
-            owned: set[str] = set()
-            if idx in moe:
-                self.moe_layer(idx)
-                owned = set(self.ckpt.moe_keys(idx))
-            rest = [k for k in keys if k not in owned]
-            if rest and self.writers:
-                tensors = self.ckpt.reader.get_many(rest)
-                for w in self.writers.values():
-                    w.add_many(tensors)
+    def loop(self) -> None:
+        stream_layers(
+            self.ckpt, list(self.writers.values()), self.moe_layer, start_group=self.start_group,
+            on_flush=self.save_journal, progress=self.ctx.progress, desc="compress",
+        )  # fmt: skip
 
-    def _write_card(self, run: dict) -> None:
-        from moecompress.io.card import write_model_card
-
-        final = max(self.writers)
-        write_model_card(self.staging, **_card_kwargs(run, self.ckpt, self.descs[final], self.out.name))
-
-    def finish(self, calib: dict, started: float, dry: dict) -> dict:
-        from moecompress import __version__
-
+    def _write_checkpoint_files(self) -> None:
         for n, w in self.writers.items():
             w.commit()
             for f in self.ckpt.non_weight_files():
@@ -259,58 +173,57 @@ class _Run:
             if self.protected[n]:
                 provenance["protected"] = self.protected[n]
             cfg = config_with_layers(
-                self.ckpt.raw_config,
-                self.descs[n],
-                self.shapes[n],
-                adapter=self.ckpt.adapter,
+                self.ckpt.raw_config, self.descs[n], self.shapes[n], adapter=self.ckpt.adapter,
                 provenance=provenance,
-            )
-            _write_json_atomic(self.dirs[n] / "config.json", cfg)
+            )  # fmt: skip
+            write_json_atomic(self.dirs[n] / "config.json", cfg)
+
+    def _step_reports(self) -> tuple[list[dict], list[str]]:
         steps, warnings = [], []
         model_params = sum(math.prod(self.ckpt.reader.shape(k)) for k in self.ckpt.reader.keys)  # whole model
         for step in self.rec.steps:
-            delta = sum(r["params_before"] - r["params_after"] for r in self.rows[step.number])
+            rows = self.rows[step.number]
+            delta = sum(r["params_before"] - r["params_after"] for r in rows)
             extra = step.spec.summarize(self.infos[step.number], step.config) if step.spec.summarize else {}
-            extra.setdefault("warnings", [])
-            extra["warnings"] = [*extra["warnings"], *_massive_warnings(self.rows[step.number])]
+            step_warnings = [*extra.get("warnings", []), *_massive_warnings(rows)]
             report = {
                 "step": step.number,
                 "name": step.name,
                 "config": step.config.model_dump(mode="json"),
-                "layers": [
-                    {**r, "info": self.infos[step.number].get(r["layer"], {})} for r in self.rows[step.number]
-                ],
+                "layers": [{**r, "info": self.infos[step.number].get(r["layer"], {})} for r in rows],
                 "seconds": round(self.seconds[step.number], 3),
                 "peak_rss_mb": round(self.peak[step.number], 1),
                 "model_params_before": model_params,
                 "model_params_after": model_params - delta,
                 "summary": extra.get("summary", {}),
-                "warnings": extra.get("warnings", []),
+                "warnings": step_warnings,
                 "plots": extra.get("plots", []),
                 "checkpoint": str(self.dirs[step.number].relative_to(self.staging))
                 if step.number in self.dirs
                 else None,
             }
             write_step_report(self.staging / "steps" / step.dirname, report)
-            warnings += [f"{step.label}: {w}" for w in report["warnings"]]
-            rows = self.rows[step.number]
+            warnings += [f"{step.label}: {w}" for w in step_warnings]
             steps.append(
                 {
                     "step": step.number,
                     "name": step.name,
                     "report": f"steps/{step.dirname}/report.md",
-                    "params_before": sum(r["params_before"] for r in rows),
-                    "params_after": sum(r["params_after"] for r in rows),
-                    "bytes_before": sum(r["bytes_before"] for r in rows),
-                    "bytes_after": sum(r["bytes_after"] for r in rows),
+                    **{k: sum(r[k] for r in rows) for k in ("params_before", "params_after", "bytes_before", "bytes_after")},
                     "seconds": report["seconds"],
                     "model_params_before": model_params,
                     "model_params_after": model_params - delta,
                 }
             )
             model_params -= delta
+        return steps, warnings
+
+    def finish(self, calib: dict, started: float, dry: dict) -> dict:
+        self._write_checkpoint_files()
+        steps, warnings = self._step_reports()
         run = {
             "recipe": self.rec.to_dict(),
+            "recipe_hash": self.rec.fingerprint(),
             "model": self.rec.model,
             "output": str(self.out),
             "moecompress_version": __version__,
@@ -326,7 +239,8 @@ class _Run:
             (self.staging / "recipe.yaml").write_text(self.rec.to_yaml())
         write_run_report(self.staging, run)
         if self.writers:
-            self._write_card(run)
+            final = max(self.writers)
+            write_model_card(self.staging, **_card_kwargs(run, self.ckpt, self.descs[final], self.out.name))
         (self.staging / JOURNAL).unlink(missing_ok=True)
         move_into_place(self.staging, self.out)
         return run
@@ -351,25 +265,3 @@ def _card_kwargs(run: dict, ckpt: Checkpoint, descs: dict, name: str) -> dict:
         "loadability": "moecompress" if any(descs.values()) else "stock",
         "name": name,
     }
-
-
-def run_layer_loop(
-    rec: Recipe,
-    ckpt: Checkpoint,
-    entry: Path,
-    plans: dict,
-    *,
-    calib: dict,
-    resume: bool,
-    overwrite: bool,
-    progress: bool,
-    started: float,
-    dry: dict,
-) -> dict:
-    if Path(rec.output).exists() and not overwrite:
-        from moecompress.errors import OutputExistsError
-
-        raise OutputExistsError(f"output directory {rec.output} already exists; pass --overwrite")
-    run = _Run(rec, ckpt, entry, plans, resume)
-    run.loop(progress)
-    return run.finish(calib, started, dry)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moecompress.errors import LayoutError
-from moecompress.layouts import LAYOUTS, Layout
+from moecompress.layouts.base import Layout, meta_members, meta_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +57,21 @@ class Tucker(Layout):
         if len(dense_ids) != n_dense:
             raise LayoutError(f"Tucker: {len(dense_ids)} experts marked dense but {n_dense} dense weights")
         object.__setattr__(self, "_dense_index", {e: i for i, e in enumerate(dense_ids)})
+
+    @classmethod
+    def meta_like(
+        cls, experts: int, out: int, inn: int, ranks: tuple[int, int, int], *, factorised: int, dtype: torch.dtype
+    ) -> Tucker:
+        """Shapes only (``meta``): ``factorised`` experts with ranks ``(r1, r2, r3)`` (``r1 == factorised``:
+        per-expert cores), the rest exact."""
+        r1, r2, r3 = ranks
+        fold = r1 == factorised
+        return cls(
+            meta_tensor(out, r2, dtype=dtype), meta_tensor(inn, r3, dtype=dtype),
+            meta_tensor(factorised if fold else r1, r2, r3, dtype=dtype), meta_members(experts),
+            meta_tensor(experts - factorised, out, inn, dtype=dtype) if experts > factorised else None,
+            None if fold else meta_tensor(factorised, r1, dtype=dtype),
+        )  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -137,6 +152,3 @@ class Tucker(Layout):
             raise LayoutError(f"Tucker layout lacks tensors {sorted(missing)}; got {sorted(tensors)}")
         return cls(tensors["u_out"], tensors["u_in"], tensors["core"], tensors["members"].to(torch.int64),
                    tensors.get("exact"), tensors.get("u_expert"))  # fmt: skip
-
-
-LAYOUTS[Tucker.kind] = Tucker

@@ -1,0 +1,104 @@
+"""The one streaming loop: a checkpoint, decoder layer by decoder layer, into one or more writers.
+
+For each group of tensors (what lies outside the decoder layers first, then each decoder layer in
+order): if the group would overflow a writer's shard buffer, every writer flushes first (so each shard
+ends at a layer boundary, which is what ``--resume`` needs) and ``on_flush`` is told the last finished
+group; an MoE layer is handed to ``on_moe`` (which reads, transforms and adds its tensors); every other
+tensor of the group is read once and copied to every writer. Only one layer is in memory at a time.
+
+``moecompress apply`` (:mod:`moecompress.engine.run`) and :func:`rewrite_checkpoint` are both this loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
+from moecompress.io.format import config_with_layers, encode_layer, layer_shape
+from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
+from moecompress.ir import MoELayer
+
+
+def stream_layers(
+    ckpt: Checkpoint,
+    writers: Sequence[ShardWriter],
+    on_moe: Callable[[int], None],
+    *,
+    start_group: int = 0,
+    on_flush: Callable[[int], None] | None = None,
+    progress: bool = True,
+    desc: str = "layers",
+) -> None:
+    """Run the loop described in the module docstring, from group ``start_group`` on."""
+    moe = set(ckpt.moe_layer_indices)
+    groups = ckpt.key_groups()
+    for g, (idx, keys) in enumerate(tqdm(groups, desc=desc, unit="layer", disable=not progress)):
+        if g < start_group:
+            continue
+        need = sum(ckpt.reader.nbytes(k) for k in keys)
+        if any(w.buffered_bytes and w.buffered_bytes + need > w.max_shard_size for w in writers):
+            for w in writers:
+                w.flush()
+            if on_flush is not None:
+                on_flush(g - 1)
+        owned: set[str] = set()
+        if idx in moe:
+            on_moe(idx)
+            owned = set(ckpt.moe_keys(idx))
+        rest = [k for k in keys if k not in owned]
+        if rest and writers:
+            tensors = ckpt.reader.get_many(rest)
+            for w in writers:
+                w.add_many(tensors)
+
+
+def rewrite_checkpoint(
+    src: str | Path | Checkpoint,
+    dst: str | Path,
+    fn: Callable[[MoELayer], MoELayer] | None = None,
+    *,
+    fused: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Stream ``src`` into ``dst`` one decoder layer at a time, passing every MoE layer through ``fn``.
+
+    With ``fn=None`` the output holds byte-identical tensors (in the Hub's per-expert names unless
+    ``fused``). Non-weight files (tokenizer, configs) are copied. The output appears atomically.
+    """
+    check_output_dir(dst, overwrite)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    descs: dict[int, dict | None] = {}
+    shapes: dict[int, list[int]] = {}
+    protected: dict[str, list[int]] = {}
+    with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
+
+        def on_moe(idx: int) -> None:
+            layer = ckpt.read_layer(idx)
+            if fn is not None:
+                layer = fn(layer)
+            if fused and idx not in ckpt.layouts:
+                tensors, descs[idx] = ckpt.adapter.layer_tensors(layer, fused=True), None
+            else:
+                tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
+            shapes[idx] = layer_shape(layer)
+            if layer.protected:
+                protected[str(idx)] = sorted(layer.protected)
+            writer.add_many(tensors)
+
+        stream_layers(ckpt, [writer], on_moe, progress=progress)
+        for f in ckpt.non_weight_files():
+            writer.copy_file(f)
+        cfg = config_with_layers(
+            ckpt.raw_config,
+            descs,
+            shapes,
+            adapter=ckpt.adapter,
+            provenance=provenance_block(ckpt.raw_config.get("moecompress"), protected),
+        )
+        writer.write_json("config.json", cfg)
+        return writer.commit()

@@ -1,0 +1,176 @@
+"""What a pass is to the engine: its configuration model, its pure function and what it declares.
+
+A pass is a pure function ``(layer, stats, cfg) -> (layer, info)`` in its own file under
+:mod:`moecompress.passes`, described by one :class:`PassSpec`::
+
+    class MyConfig(PassConfig):
+        ratio: float = Field(0.25, gt=0, lt=1)
+
+    def my_pass(layer: MoELayer, stats: LayerStats, cfg: MyConfig) -> tuple[MoELayer, dict]:
+        ...
+
+    SPEC = PassSpec("my_pass", MyConfig, my_pass, needs={"act_sq_mean"}, emits=my_pass_emits)
+
+The built-in specs are listed in the explicit table :data:`moecompress.passes.BUILTIN_PASSES`;
+``moecompress.apply(..., passes=[SPEC])`` adds others (plugins, tests). Nothing registers itself.
+
+Fields of a spec:
+
+- ``needs``: names from :data:`moecompress.calibration.catalogue.CATALOGUE`. The step receives a
+  :class:`LayerStats` holding exactly these (with the companion tensors the catalogue lists); reading
+  anything else fails in every run, whatever the statistics cache holds. ``needs_fn(cfg)`` narrows
+  them to what a configuration uses (no backward sweep for input-only whitening).
+- ``emits(layer, cfg) -> layer``: on shapes only (``meta`` tensors), the layer this step would produce
+  (layout kinds, widths, expert count, expert map, rotation). The dry run feeds it to the next step's
+  ``check``, so impossible chains fail before any weight or token is read. ``None``: the step leaves
+  every shape as it is.
+- ``check(layer, cfg)``: raises :class:`~moecompress.errors.PassError` when the step cannot take
+  ``layer`` (a meta layer in the dry run, the real one at run time).
+- ``plan(all_stats, cfg) -> {layer: decision}``: decisions across layers (global rankings, budgets);
+  the decision for layer ``i`` arrives as ``stats.plan``. ``protects(decision) -> ids``: for a step
+  whose plan decides protection, the experts it protects, so later plans see them in
+  ``stats.protected``.
+- ``summarize(infos, cfg) -> {"summary", "warnings", "plots"}``: the step report's summary.
+- ``report_only``: the step only reports (``analyze``); it never writes a checkpoint.
+- ``extras``: optional dependency groups the step needs (``("decompose",)``): checked in the dry run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from moecompress.calibration.catalogue import CATALOGUE, tensor_names
+from moecompress.errors import MissingStatError
+from moecompress.extras import EXTRAS
+from moecompress.ir import MoELayer
+
+
+class PassConfig(BaseModel):
+    """Base of every pass's configuration: frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class LayerStats(Mapping[str, torch.Tensor]):
+    """The statistics one step may read for one MoE layer: exactly those it declared, read-only.
+
+    ``plan`` is the step's cross-layer decision for this layer; ``protected`` (in plans) the expert ids
+    protected before this step (passes read ``layer.protected``, which is authoritative)."""
+
+    index: int
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    declared: frozenset[str] | None = None
+    plan: Any = None
+    protected: frozenset[int] = frozenset()
+    step: str = "this step"
+
+    def __post_init__(self) -> None:
+        names = frozenset(self.tensors) if self.declared is None else self.declared
+        kept = {k: v for k, v in self.tensors.items() if k in names}
+        object.__setattr__(self, "declared", names)
+        object.__setattr__(self, "tensors", MappingProxyType(kept))
+
+    @classmethod
+    def view(
+        cls,
+        index: int,
+        available: Mapping[str, torch.Tensor],
+        needs: Iterable[str],
+        *,
+        step: str = "this step",
+        plan: Any = None,
+        protected: frozenset[int] = frozenset(),
+    ) -> LayerStats:
+        """The read-only view of ``available`` (a cache entry's layer) holding the statistics ``needs``
+        names, with their companion tensors (``io_sample`` -> ``io_sample_x``, ``io_sample_y``)."""
+        return cls(index, available, tensor_names(needs), plan, protected, step)
+
+    def _declared(self, name: str) -> None:
+        if name not in self.declared:  # type: ignore[operator]
+            known = "" if name in CATALOGUE or name in tensor_names(CATALOGUE) else " (not in the catalogue)"
+            raise MissingStatError(
+                f"{self.step} reads statistic {name!r}{known} that it does not declare; add it to the "
+                f"pass's needs (declared: {', '.join(sorted(self.declared)) or 'none'})"  # type: ignore[arg-type]
+            )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self._declared(name)
+        if name not in self.tensors:
+            raise MissingStatError(
+                f"layer {self.index}: statistic {name!r} was not collected for {self.step} "
+                f"(collected: {', '.join(sorted(self.tensors)) or 'none'})"
+            )
+        return self.tensors[name]
+
+    def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:  # type: ignore[override]
+        """A declared statistic, or ``default`` when it was declared but not produced (e.g. shared-expert
+        statistics of a model without shared experts)."""
+        self._declared(name)
+        return self.tensors.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def with_tensors(self, **tensors: torch.Tensor) -> LayerStats:
+        """The same view with some declared statistics replaced (a pass recomputing one for its input)."""
+        for name in tensors:
+            self._declared(name)
+        return replace(self, tensors={**self.tensors, **tensors})
+
+
+PassFn = Callable[[MoELayer, LayerStats, Any], "tuple[MoELayer, dict]"]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """A recipe step: see the module docstring for every field."""
+
+    name: str
+    config: type[PassConfig]
+    fn: PassFn
+    needs: frozenset[str] = frozenset()
+    emits: Callable[[MoELayer, Any], MoELayer] | None = None
+    check: Callable[[MoELayer, Any], None] | None = None
+    plan: Callable[[dict[int, LayerStats], Any], dict[int, Any]] | None = None
+    protects: Callable[[Any], Iterable[int]] | None = None
+    summarize: Callable[[dict[int, dict], Any], dict] | None = None
+    needs_fn: Callable[[Any], Iterable[str]] | None = None
+    report_only: bool = False
+    extras: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "needs", frozenset(self.needs))
+        unknown = sorted(self.needs - set(CATALOGUE))
+        if unknown:
+            raise ValueError(f"pass {self.name!r} needs unknown statistics {unknown}; known: {sorted(CATALOGUE)}")
+        bad = sorted(set(self.extras) - set(EXTRAS))
+        if bad:
+            raise ValueError(f"pass {self.name!r} names unknown extras {bad}; known: {sorted(EXTRAS)}")
+
+    def needs_for(self, cfg: Any) -> frozenset[str]:
+        """The statistics a step with configuration ``cfg`` needs."""
+        return self.needs if self.needs_fn is None else frozenset(self.needs_fn(cfg)) & self.needs
+
+    def emitted(self, layer: MoELayer, cfg: Any) -> MoELayer:
+        """The layer this step would produce from ``layer`` (shapes only; see ``emits``)."""
+        if self.report_only or self.emits is None:
+            return layer
+        return self.emits(layer, cfg)
+
+    @property
+    def summary(self) -> str:
+        doc = (self.fn.__doc__ or "").strip().splitlines()
+        return doc[0] if doc else ""

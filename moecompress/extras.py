@@ -1,0 +1,37 @@
+"""Optional dependencies, by the ``pip install "moecompress[extra]"`` group that brings them.
+
+The core install (torch, transformers, safetensors, huggingface_hub, numpy, pydantic, pyyaml, tqdm)
+runs every step that needs nothing more; each optional module is imported only inside the function that
+uses it. A step declares its groups (:attr:`moecompress.engine.spec.PassSpec.extras`) so that the dry
+run refuses it with one line before any work; code that imports an optional module calls
+:func:`require` first, so that a missing one is the same line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from moecompress.errors import MissingExtraError
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "decompose": ("tensorly",),
+    "plots": ("matplotlib",),
+    "compressed-tensors": ("compressed_tensors",),
+    "data": ("datasets",),
+}
+"""Extra name -> the modules it provides (``pyproject.toml``'s optional-dependencies)."""
+
+
+def missing(extra: str) -> list[str]:
+    """The modules of ``extra`` that cannot be imported here."""
+    return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+
+
+def require(extra: str, what: str) -> None:
+    """Raise :class:`MissingExtraError` naming ``what`` needs and the install command, unless every
+    module of ``extra`` is importable."""
+    gone = missing(extra)
+    if gone:
+        raise MissingExtraError(
+            f"{what} needs {', '.join(gone)}, which is not installed: pip install \"moecompress[{extra}]\""
+        )

@@ -1,0 +1,59 @@
+"""Tucker decomposition of a stack of expert matrices (TD-MoE's maths): the rank choice for a parameter
+budget and the decomposition of the whitened stack with tensorly (HOSVD or HOOI).
+
+tensorly is optional (``pip install "moecompress[decompose]"``) and imported only by :func:`decompose`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moecompress.errors import MethodError
+from moecompress.extras import require
+from moecompress.methods.whitening import Whitener
+
+
+def tucker_ranks(
+    m: int, out: int, inp: int, ratio: float, r1: int | None = None
+) -> tuple[int, int, int, int]:
+    """``(r1, r2, r3, stored params)`` meeting ``ratio`` (see the module docstring)."""
+    full = m * out * inp
+    target = (1 - ratio) * full
+    r1 = m if r1 is None or r1 >= m else r1
+    fold = r1 == m
+    best, close = None, None
+    for r2 in range(1, out + 1):
+        lead = out * r2 + (0 if fold else m * r1)
+        per_r3 = (m if fold else r1) * r2 + inp
+        r3 = max(1, min(inp, int((target - lead) // per_r3)))
+        for r in {r3, min(inp, r3 + 1)}:
+            p = lead + per_r3 * r
+            err = abs(p - target) / full
+            cand = (abs(r2 / out - r / inp), err, r2, r, p)
+            if err <= 0.005 and (best is None or cand < best):
+                best = cand
+            if close is None or (err, cand[0]) < (close[1], close[0]):
+                close = cand
+    _, err, r2, r3, p = best or close  # type: ignore[misc]
+    if err > 0.01:
+        raise MethodError(
+            f"ratio={ratio} cannot be met within 1% for {m} experts of {out}x{inp} (closest keeps {p / full:.3f}); "
+            "choose another ratio"
+        )
+    return r1, r2, r3, p
+
+
+def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: str):
+    """Tucker factors of the whitened stack ``w`` ``[M, out, in]``: ``(G, [U_e, U_out, U_in])`` in
+    float64, whitened (un-whiten with ``wh``)."""
+    require("decompose", "tdmoe (Tucker decomposition with tensorly)")
+    import tensorly as tl
+    from tensorly.decomposition import tucker
+
+    t = wh.whiten(w).numpy()
+    with tl.backend_context("numpy"):
+        core, factors = tucker(t, rank=[r1, r2, r3], init="svd", n_iter_max=50 if method == "hooi" else 0)
+    return torch.from_numpy(np.ascontiguousarray(core)), [
+        torch.from_numpy(np.ascontiguousarray(f)) for f in factors
+    ]

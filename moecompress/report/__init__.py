@@ -1,0 +1,1 @@
+"""Step and run reports: ``report.json``, ``report.md`` (:mod:`.write`) and PNG plots (:mod:`.plots`)."""
