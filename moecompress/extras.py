@@ -10,6 +10,7 @@ run refuses it with one line before any work; code that imports an optional modu
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from moecompress.errors import MissingExtraError
 
@@ -22,9 +23,19 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 """Extra name -> the modules it provides (``pyproject.toml``'s optional-dependencies)."""
 
 
+def importable(module: str) -> bool:
+    """Whether ``module`` can be imported (a ``None`` in ``sys.modules`` blocks it, as for ``import``)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def missing(extra: str) -> list[str]:
     """The modules of ``extra`` that cannot be imported here."""
-    return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    return [m for m in EXTRAS[extra] if not importable(m)]
 
 
 def require(extra: str, what: str) -> None:

@@ -137,3 +137,32 @@ def reference_logits(original: str | Path, ckpt_dir: str | Path, ids: torch.Tens
         model.model.layers[i].mlp = InstrumentedMoE(ckpt.read_layer(i))
     with torch.no_grad():
         return model(ids).logits
+
+
+def layer_statistics(layer, needs, *, tokens: int = 192, seed: int = 0, sample_tokens: int = 512) -> dict:
+    """Every statistic in ``needs`` (plus the always-collected ones) of one MoE layer, computed by the
+    real collector on random hidden states; gradient statistics use the loss ``‖MoE(x)‖² / 2T`` as a
+    stand-in for the LM loss. For tests of passes without a calibration run."""
+    from moecompress.calibration.catalogue import backward_needed
+    from moecompress.calibration.stats import StatsCollector
+    from moecompress.reference import moe_forward
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, layer.hidden_size, generator=g).to(layer.experts.gate.dtype)
+    fwd = StatsCollector(layer, set(needs), sample_tokens)
+    with torch.no_grad():
+        for mode, part in (("stats", x[: 3 * tokens // 4]), ("holdout", x[3 * tokens // 4 :])):
+            fwd.mode = mode
+            fwd.on_input(part)
+            fwd.on_output(moe_forward(layer, part, fwd))
+    out = fwd.result()
+    if backward_needed(set(needs)):
+        bwd = StatsCollector(layer, set(needs))
+        bwd.mode = "backward"
+        xg = x[: 3 * tokens // 4].clone().requires_grad_(True)
+        with torch.enable_grad():
+            y = moe_forward(layer, xg, bwd)
+            bwd.on_output(y)
+            (y.float().pow(2).sum() / (2 * len(xg))).backward()
+        out.update({k: v for k, v in bwd.result().items() if k not in out})
+    return out

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moecompress.errors import PassError
+from moecompress.errors import MethodError
 from moecompress.ir import ExpertBank
 from moecompress.layouts.dense import Dense
 from moecompress.methods.merging import (
@@ -59,13 +59,13 @@ def test_a_base_at_the_mean_of_the_members_is_rejected():
     members = torch.randn(3, 50, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     g = (members - members.mean(0)).T  # τ_i = E_i − mean
     with pytest.raises(
-        PassError, match=r"no solution: the base is a non-negative combination .*\(e\.g\. their mean\)"
+        MethodError, match=r"no solution: the base is a non-negative combination .*\(e\.g\. their mean\)"
     ):
         nash_weights(g.T @ g)
     weighted = (members - torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64) @ members).T
-    with pytest.raises(PassError, match="unbounded below"):
+    with pytest.raises(MethodError, match="unbounded below"):
         nash_weights(weighted.T @ weighted)
-    with pytest.raises(PassError, match="a task vector is zero"):
+    with pytest.raises(MethodError, match="a task vector is zero"):
         nash_weights(torch.zeros(2, 2, dtype=torch.float64))
     assert nash_weights(torch.zeros(0, 0))[0].numel() == 0
 
@@ -104,5 +104,5 @@ def test_average_linkage_known_clusters_singletons_and_ties():
     assert average_linkage(f, 2, metric="euclidean") == [[0, 1, 2, 3], [4, 5]]
     same = torch.ones(4, 3)  # all distances 0: ties merge the lowest ids first
     assert average_linkage(same, 3) == [[0, 1], [2], [3]]
-    with pytest.raises(PassError, match=r"cannot form 1 groups from 6 experts with 1 kept as singletons"):
+    with pytest.raises(MethodError, match=r"cannot form 1 groups from 6 experts with 1 kept as singletons"):
         average_linkage(f, 1, singletons=[0])

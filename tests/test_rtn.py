@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import reference_logits, save_tiny
+from tiny import MODEL_TYPES, reference_logits, save_tiny
 from transformers import AutoModelForCausalLM
 
 import moecompress as mc
@@ -199,3 +199,44 @@ def test_recipe_errors_name_the_field_and_the_fix(tiny_qwen, tmp_path):
     ):
         mc.apply({**rec, "steps": [{"rtn": {"group_size": 48}}]}, dry_run=True)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_default_group_size_works_on_every_architecture(tmp_path, model_type):
+    """``group_size: auto`` (the default) picks the largest of 128/64/32/16 dividing every projection's
+    inputs; the tiny models' widths (32, 48, 64, 80) need 16 or -1, real ones get 128 or 64."""
+    save_tiny(model_type, tmp_path / "m")
+    res = mc.apply({"model": str(tmp_path / "m"), "output": str(tmp_path / "o"), "calibration": CAL,
+                    "steps": [{"rtn": {}}]}, progress=False)  # fmt: skip
+    ckpt = mc.open_checkpoint(res.output_dir)
+    for i in ckpt.moe_layer_indices:
+        bank = ckpt.read_layer(i).experts
+        ins = {getattr(bank, p).shape[2] for p in ("gate", "up", "down")}
+        gs = {getattr(bank, p).group_size for p in ("gate", "up", "down")}
+        want = next((g for g in (128, 64, 32, 16) if all(n % g == 0 for n in ins)), None)
+        assert gs == ({want} if want else ins), (model_type, ins, gs)
+        assert all(getattr(bank, p).kind == "rtn" for p in ("gate", "up", "down"))
+
+
+@pytest.mark.parametrize(("inputs", "want"), [((2048, 768), 128), ((2880, 2880), 64), ((64, 128), 64),
+                                              ((80, 64), 16), ((48, 72), -1), ((7168, 2048), 128)])  # fmt: skip
+def test_auto_group_rule(inputs, want):
+    from moecompress.passes.rtn import group_size
+
+    h, i = inputs
+    g = torch.Generator().manual_seed(0)
+    bank = ExpertBank(Dense(torch.randn(2, i, h, generator=g)), Dense(torch.randn(2, i, h, generator=g)),
+                      Dense(torch.randn(2, h, i, generator=g)))  # fmt: skip
+    layer = MoELayer(0, RouterSpec(num_experts=2, top_k=1, gating=Gating.SOFTMAX_TOPK), torch.zeros(2, h), bank)
+    assert group_size(layer, RtnConfig()) == want
+    assert group_size(layer, RtnConfig(group_size=32)) == 32  # an explicit value is used (and checked) as given
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("name", ["ref-qwen3moe", "ref-mixtral", "ref-deepseekv3", "ref-mixtral-upcycled"])
+def test_default_rtn_runs_on_every_reference_model(shared_dir, tmp_path, name):
+    res = mc.apply({"model": str(shared_dir / "data" / "models" / name), "output": str(tmp_path / "o"),
+                    "calibration": CAL, "steps": [{"rtn": {}}]}, progress=False)  # fmt: skip
+    layers = json.loads((res.output_dir / "steps" / "01-rtn" / "report.json").read_text())["layers"]
+    assert layers and all(r["info"]["group_size"] in (128, 64, 32, 16) for r in layers)
+    assert all(r["rel_error"] < 0.2 for r in layers), [r["rel_error"] for r in layers]  # 4-bit: ~0.1

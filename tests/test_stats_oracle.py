@@ -9,6 +9,8 @@ also checked against plain forward hooks on the unmodified transformers blocks.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny import save_tiny
@@ -30,6 +32,16 @@ HOLDOUT = 2
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _tol(ckpt, layer: int, tokens: int) -> float:
+    """Tolerance for fp32 results of two forwards that block their reductions differently (batches of 2
+    vs all sequences at once; AVX2 vs AVX-512 kernels): rounding of a length-K reduction grows like
+    eps·sqrt(K), K the largest reduction (hidden, expert width or token count), once per decoder layer
+    the value has passed through (+1 for the statistic's own means), with a safety factor of 16."""
+    cfg = ckpt.raw_config
+    k = max(cfg["hidden_size"], cfg.get("intermediate_size", 0), cfg.get("moe_intermediate_size", 0), tokens)
+    return 16 * torch.finfo(torch.float32).eps * math.sqrt(k) * (layer + 2)
 
 
 def _oracle(path, ckpt, ids):
@@ -86,9 +98,10 @@ def test_streamed_statistics_equal_in_memory_oracle(tmp_path, model_type):
     hooked, ref_fwd, ref_bwd, ref_loss = _oracle(tmp_path / "c", ckpt, stats_ids)
     assert summary["loss"] == pytest.approx(ref_loss, rel=1e-5)
     for i in ckpt.moe_layer_indices:
+        tol = _tol(ckpt, i, stats_ids.numel())
         x = hooked[i]  # plain hooks on transformers' own MoE block
-        assert _rel(fwd[i]["input_cov"], x.T @ x / x.shape[0]) <= 1e-5
-        assert torch.allclose(fwd[i]["io_sample_x"], x[: len(fwd[i]["io_sample_x"])], rtol=1e-5, atol=1e-6)
+        assert _rel(fwd[i]["input_cov"], x.T @ x / x.shape[0]) <= tol
+        assert _rel(fwd[i]["io_sample_x"], x[: len(fwd[i]["io_sample_x"])]) <= tol
         assert set(ref_fwd[i]) - {"holdout_x"} <= set(fwd[i])
         for name, want in ref_fwd[i].items():
             if name == "holdout_x":
@@ -96,10 +109,10 @@ def test_streamed_statistics_equal_in_memory_oracle(tmp_path, model_type):
             if name == "down_out_argmax":
                 assert torch.equal(fwd[i][name], want), (model_type, i, name)
             else:
-                assert _rel(fwd[i][name], want) <= 1e-5, (model_type, i, name, _rel(fwd[i][name], want))
+                assert _rel(fwd[i][name], want) <= tol, (model_type, i, name, _rel(fwd[i][name], want))
         assert sorted(bwd[i]) == ["down_in_grad_cov_pooled", "grad_sq_mean", "out_grad_cov"]
         for name, want in ref_bwd[i].items():
-            assert _rel(bwd[i][name], want) <= 1e-5, (model_type, i, name, _rel(bwd[i][name], want))
+            assert _rel(bwd[i][name], want) <= tol, (model_type, i, name, _rel(bwd[i][name], want))
         assert float(bwd[i]["grad_sq_mean"].abs().sum()) > 0
         # held-back sequences feed the reconstruction sample, never the statistics
         assert int(fwd[i]["expert_counts"].sum()) == stats_ids.numel() * ckpt.adapter.router_spec().top_k

@@ -26,7 +26,6 @@ from moecompress.extras import require
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.ir import MoELayer
 
-
 SMALL_INDEX = 1 << 20
 """Integer tensors up to this many elements (live widths, expert maps, member indices) are read for
 real in the dry run: they say what shapes alone cannot (a ragged bank's widths) and cost nothing."""

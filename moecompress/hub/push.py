@@ -198,7 +198,7 @@ def push(
         write_model_card(folder, **inputs)
         files = upload_files(folder)
     size = sum((folder / f).stat().st_size for f in files)
-    from moecompress import __version__
+    from moecompress._version import __version__
 
     message = f"Upload {folder.name} with moecompress {__version__}"
     try:

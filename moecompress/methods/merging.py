@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from moecompress.errors import PassError
+from moecompress.errors import MethodError
 from moecompress.ir import ExpertBank
 from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_forward
@@ -47,7 +47,7 @@ def nash_weights(
 
     Stops when the residual is below ``tol`` or a step no longer changes ``α`` (round-off level, for
     ill-conditioned ``K``). Returns ``(α float64 [n], residual max_i |α_i (Kα)_i − 1|, Newton steps)``. Raises
-    :class:`PassError` when ``f`` is unbounded below — some ``c ≥ 0, c ≠ 0`` has ``Gc = 0``, e.g. a base
+    :class:`MethodError` when ``f`` is unbounded below — some ``c ≥ 0, c ≠ 0`` has ``Gc = 0``, e.g. a base
     that is a (weighted) mean of the members, or a member equal to the base (``τ = 0``) — or when Newton
     does not converge in ``max_iter`` steps.
     """
@@ -56,7 +56,7 @@ def nash_weights(
     if n == 0:
         return torch.zeros(0, dtype=torch.float64), 0.0, 0
     if tuple(k.shape) != (n, n) or not bool(torch.isfinite(k).all()):
-        raise PassError(f"the Gram matrix must be a finite square matrix, got shape {tuple(k.shape)}")
+        raise MethodError(f"the Gram matrix must be a finite square matrix, got shape {tuple(k.shape)}")
     k = (k + k.T) / 2
     c = float(torch.linalg.matrix_norm(k))
     if c == 0.0 or bool((k.diagonal() <= 0).any()):
@@ -91,14 +91,14 @@ def nash_weights(
             return a / math.sqrt(c), float((a * ka - 1).abs().max()), it + 1
         if float(a.max()) > UNBOUNDED * math.sqrt(n):
             raise _unbounded("the base is a non-negative combination of the members (e.g. their mean)")
-    raise PassError(
+    raise MethodError(
         f"Nash bargaining did not converge in {max_iter} Newton steps (residual {res:.3g}); the task vectors "
         "are nearly degenerate: merge fewer experts per group or use merge_experts"
     )
 
 
-def _unbounded(why: str) -> PassError:
-    return PassError(
+def _unbounded(why: str) -> MethodError:
+    return MethodError(
         f"Nash bargaining has no solution: {why}, so GᵀG is singular along a non-negative direction and "
         "½αᵀGᵀGα − Σ log α is unbounded below (α diverges). Use a member as the base — NAMEx bargains over "
         "the task vectors τ_i = E_i − E_b of the other members relative to the most-used member b — and "
@@ -118,7 +118,7 @@ def pairwise_distance(features: torch.Tensor, metric: str) -> np.ndarray:
     elif metric == "euclidean":
         d = torch.cdist(f, f)
     else:
-        raise PassError(f"unknown metric {metric!r}; use cosine or euclidean")
+        raise MethodError(f"unknown metric {metric!r}; use cosine or euclidean")
     d = d.clamp_min(0).numpy().copy()
     np.fill_diagonal(d, 0.0)
     return d
@@ -138,7 +138,7 @@ def average_linkage(
     free = [e for e in range(n) if e not in set(fixed)]
     want = n_groups - len(fixed)
     if want < (1 if free else 0) or want > len(free):
-        raise PassError(
+        raise MethodError(
             f"cannot form {n_groups} groups from {n} experts with {len(fixed)} kept as singletons "
             f"({fixed}); choose between {len(fixed) + (1 if free else 0)} and {n} groups"
         )

@@ -50,7 +50,7 @@ import torch
 from pydantic import Field, field_validator
 
 from moecompress.engine.spec import LayerStats, PassSpec
-from moecompress.errors import PassError
+from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
 from moecompress.passes.expert_merging import (
@@ -135,7 +135,7 @@ def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELaye
         gram = torch.tensor([[dot(taus[i], taus[j]) for j in live] for i in live], dtype=torch.float64)
         try:
             a, residual, iters = nash_weights(gram.reshape(len(live), len(live)))
-        except PassError as err:
+        except MethodError as err:
             raise PassError(f"group {members} (base {plan.bases[g]}): {err}") from None
         alpha = [0.0] * len(taus)
         for i, v in zip(live, a.tolist()):
