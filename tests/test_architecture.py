@@ -128,6 +128,22 @@ def test_method_maths_is_free_of_engine_types():
             assert "PassError" not in MODULES[m].read_text(), f"{m} raises PassError (use MethodError)"
 
 
+LOWER = ("moecompress.ir", "moecompress.layouts", "moecompress.reference", "moecompress.adapters", "moecompress.io",
+         "moecompress.calibration")  # fmt: skip
+UPPER = ("moecompress.engine", "moecompress.passes", "moecompress.runtime", "moecompress.report", "moecompress.hub",
+         "moecompress.tools")  # fmt: skip
+
+
+def test_lower_layers_do_not_import_upper_ones():
+    for m, imps in GRAPH.items():
+        if m.startswith(LOWER):
+            up = [t for t, _, _ in imps if t.startswith(UPPER)]
+            assert not up, f"{m} imports {up}"
+        if m.startswith("moecompress.passes"):
+            engine = [t for t, _, _ in imps if t.startswith("moecompress.engine") and t != "moecompress.engine.spec"]
+            assert not engine, f"{m} sees the engine beyond engine.spec: {engine}"
+
+
 def test_no_registration_by_import_side_effect():
     for m, path in MODULES.items():
         text = path.read_text()

@@ -157,6 +157,7 @@ def rewrite_measurement(ckpt_dir) -> dict:
     return m
 
 
+@pytest.mark.slow
 def test_layer_by_layer_read_peak_memory_is_about_one_layer(ckpt_dir):
     m = measure("read", ckpt_dir, cwd=ckpt_dir.parent)
     assert m["layers"] == LAYERS
@@ -170,6 +171,7 @@ def test_layer_by_layer_read_peak_memory_is_about_one_layer(ckpt_dir):
     assert m["late_growth"] <= 1 * m["layer_bytes"], describe(m)
 
 
+@pytest.mark.slow
 def test_rewrite_peak_memory_is_bounded(rewrite_measurement):
     m = rewrite_measurement
     assert m["growth"] >= 0.5 * m["layer_bytes"], "rewriting must show up; probe broken? " + describe(m)

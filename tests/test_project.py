@@ -19,10 +19,17 @@ def test_ci_runs_the_readme_test_command():
     assert command in ci_lines
 
 
+def test_ci_has_the_slow_and_core_lanes():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'python -m pytest -m slow -q' in ci and "scripts/check_core_install.py" in ci and "pip install -e .\n" in ci
+    marked = [p for p in (ROOT / "tests").glob("test_*.py") if "@pytest.mark.slow" in p.read_text()]
+    assert marked, "the slow lane must have tests to run"
+
+
 def test_import_is_light():
     code = (
         "import sys, moecompress\n"
-        "bad = [m for m in ('triton', 'tensorly', 'matplotlib') if m in sys.modules]\n"
+        "bad = [m for m in ('triton', 'tensorly', 'matplotlib', 'compressed_tensors', 'datasets') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -46,6 +46,7 @@ def _hashes(path):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 def test_kill_9_then_resume_is_byte_identical(tmp_path):
     save_tiny("qwen3_moe", tmp_path / "model", num_hidden_layers=8)

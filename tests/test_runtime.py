@@ -89,6 +89,7 @@ def test_compressed_checkpoint_round_trips_byte_identically(tmp_path):
     assert "model.layers.0.mlp.experts.widths" in a and "model.layers.0.mlp.experts.0.up_proj.weight" not in a
 
 
+@pytest.mark.slow
 def test_stock_output_loads_without_moecompress(tmp_path):
     save_tiny("qwen3_moe", tmp_path / "m")
     mc.rewrite_checkpoint(tmp_path / "m", tmp_path / "out", _drop_last_two, progress=False)
