@@ -129,6 +129,10 @@ def test_card_of_a_real_run(run_dir):
     assert yaml.safe_load(recipe) == report["recipe"]
     assert "loads with plain transformers" in text and "AutoModelForCausalLM.from_pretrained" in text
     assert "received no calibration tokens" in text  # run warnings
+    written = (run_dir / "README.md").read_text()  # the card `apply` wrote
+    loads = [line for line in written.splitlines() if "from_pretrained(" in line]
+    assert loads and all(f'from_pretrained("{run_dir.name}"' in line for line in loads), loads
+    assert "Base architecture: `qwen3_moe` (Qwen3MoeForCausalLM)" in written  # the class is named where it belongs
 
 
 RUN = {
