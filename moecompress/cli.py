@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoecompressError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:  # `moecompress eval ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
