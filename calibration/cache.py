@@ -1,10 +1,17 @@
-"""Statistics cache: per-layer safetensors files keyed by (model, calibration settings).
+"""Statistics cache: per-layer safetensors files keyed by (model, calibration settings), verified.
 
 Layout: ``<root>/<model key>-<calibration key>-<stats key>/`` holding ``meta.json`` (what was
-collected, for which model and calibration, complete or not), ``layer-NNN.safetensors`` (forward
-statistics) and ``layer-NNN.grad.safetensors`` (gradient statistics). A later run or step needing a
-subset of what an existing entry holds reuses it. A directory becomes visible only when complete
-(written as ``*.partial`` and renamed), so a crash never leaves a half cache that looks finished.
+collected, for which model and calibration, and the SHA-256 of every file), ``layer-NNN.safetensors``
+(forward statistics) and ``layer-NNN.grad.safetensors`` (gradient statistics). A later run or step
+needing a subset of what an existing entry holds reuses it. A directory becomes visible only when
+complete (written as ``*.partial`` and renamed), so a crash never leaves a half cache that looks
+finished; a failed calibration removes its ``*.partial``.
+
+**Nothing damaged is used.** Before an entry is reused, its key (model, calibration settings, the hash
+of the calibration token ids) is compared with the run's and every file's content hash is checked; a
+mismatch, a missing or extra file, or unreadable metadata is reported on one line naming the file,
+and the entry is removed and recomputed. Each file is hashed again when a layer is loaded, so a file
+that changes during the run stops the run with one line instead of being used.
 
 The model key hashes ``config.json`` and each shard's name, size and modification time: a checkpoint
 rewritten in place gets a new key (copying a checkpoint does too, which only costs a recomputation).
@@ -14,14 +21,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 
-STATS_VERSION = 1
+from moecompress.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+STATS_VERSION = 2
+META = "meta.json"
 
 
 def model_key(ckpt) -> str:
@@ -32,8 +47,36 @@ def model_key(ckpt) -> str:
     return h.hexdigest()[:12]
 
 
+def tokens_key(ids: torch.Tensor) -> str:
+    """Hash of the calibration token ids (part of an entry's key)."""
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _layer_files(entry: Path) -> list[str]:
+    return sorted(p.name for p in entry.glob("layer-*.safetensors"))
+
+
+def read_meta(entry: Path) -> dict:
+    """An entry's ``meta.json``; :class:`CacheError` naming it when it is unreadable."""
+    try:
+        meta = json.loads((entry / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheError(f"statistics cache entry {entry}: {META} is unreadable ({type(err).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or not isinstance(meta.get("stats"), list):
+        raise CacheError(f"statistics cache entry {entry}: {META} is not a moecompress cache description")
+    return meta
 
 
 class StatsCache:
@@ -41,41 +84,72 @@ class StatsCache:
 
     def __init__(self, root: str | Path, model: str, calibration: dict) -> None:
         self.root = Path(root)
+        self.model = model
         self.prefix = f"{model}-{_digest({'v': STATS_VERSION, **calibration})}"
         self.calibration = calibration
 
+    def _damage(self, entry: Path, meta: dict) -> str | None:
+        """Why ``entry`` cannot be used (``None``: it is sound)."""
+        if meta.get("version") != STATS_VERSION or meta.get("model") != self.model:
+            return "it was made by another version or for another model"
+        if json.dumps(meta.get("calibration"), sort_keys=True, default=str) != json.dumps(
+            self.calibration, sort_keys=True, default=str
+        ):
+            return "its calibration key differs from this run's"
+        files = _layer_files(entry)
+        if sorted(meta["files"]) != files:
+            extra, gone = sorted(set(files) - set(meta["files"])), sorted(set(meta["files"]) - set(files))
+            return f"files {extra} are not in its {META}" if extra else f"files {gone} are missing"
+        for name in files:
+            if _file_hash(entry / name) != meta["files"][name]:
+                return f"{name} changed after it was written"
+        return None
+
     def find(self, needs: set[str] | frozenset[str]) -> Path | None:
-        """A complete entry holding at least ``needs``, or ``None``."""
+        """A complete, verified entry holding at least ``needs``, or ``None``. Damaged entries are
+        reported (one line) and removed, so the caller recomputes them."""
         if not self.root.is_dir():
             return None
         for entry in sorted(self.root.glob(f"{self.prefix}-*")):
-            meta = entry / "meta.json"
-            if entry.suffix == ".partial" or not meta.is_file():
+            if entry.suffix in (".partial", ".lock") or not entry.is_dir():
                 continue
             try:
-                have = set(json.loads(meta.read_text())["stats"])
-            except (json.JSONDecodeError, KeyError):
+                meta = read_meta(entry)
+                why = self._damage(entry, meta)
+            except CacheError as err:
+                meta, why = None, str(err).split(": ", 1)[-1]
+            if why is not None:
+                log.warning("statistics cache entry %s is damaged (%s); removing it and recomputing", entry, why)
+                shutil.rmtree(entry, ignore_errors=True)
                 continue
-            if set(needs) <= have:
+            if set(needs) <= set(meta["stats"]):  # type: ignore[index]
                 return entry
         return None
 
+    def entry_path(self, needs: set[str] | frozenset[str]) -> Path:
+        return self.root / f"{self.prefix}-{_digest(sorted(needs))}"
+
     def begin(self, needs: set[str] | frozenset[str]) -> Path:
-        """A fresh ``.partial`` directory to fill; :meth:`finish` publishes it."""
-        final = self.root / f"{self.prefix}-{_digest(sorted(needs))}"
+        """A fresh ``.partial`` directory to fill; :meth:`finish` publishes it, :meth:`abort` removes it."""
+        final = self.entry_path(needs)
         partial = final.with_name(final.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         return partial
 
+    def abort(self, partial: Path) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+
     def finish(self, partial: Path, needs: set[str] | frozenset[str], summary: dict) -> Path:
         meta = {
             "stats": sorted(needs),
+            "model": self.model,
             "calibration": self.calibration,
             "summary": summary,
             "version": STATS_VERSION,
+            "files": {name: _file_hash(partial / name) for name in _layer_files(partial)},
         }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        (partial / META).write_text(json.dumps(meta, indent=2, default=str))
         final = partial.with_name(partial.name.removesuffix(".partial"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -85,16 +159,32 @@ class StatsCache:
 def save_layer(entry: Path, i: int, stats: dict[str, torch.Tensor], grad: bool = False) -> None:
     name = f"layer-{i:03d}{'.grad' if grad else ''}.safetensors"
     tmp = entry / (name + ".tmp")
-    save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp))
+    try:
+        save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp))
+    except (OSError, SafetensorError) as err:
+        tmp.unlink(missing_ok=True)
+        raise CacheError(f"cannot write the statistics cache file {entry / name} ({err}); free disk space or "
+                         "set calibration.cache_dir to another disk") from None  # fmt: skip
     os.replace(tmp, entry / name)
 
 
 def load_layer(entry: Path, i: int) -> dict[str, torch.Tensor]:
-    """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files); a step sees
-    only the part it declared (:meth:`moecompress.engine.spec.LayerStats.view`)."""
+    """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files), each file
+    checked against the hash its entry recorded; a step sees only the part it declared
+    (:meth:`moecompress.engine.spec.LayerStats.view`)."""
+    files = read_meta(entry)["files"] if (entry / META).is_file() else None  # None: still being filled
     out: dict[str, torch.Tensor] = {}
     for suffix in ("", ".grad"):
-        path = entry / f"layer-{i:03d}{suffix}.safetensors"
-        if path.is_file():
-            out.update(load_file(str(path)))
+        name = f"layer-{i:03d}{suffix}.safetensors"
+        path = entry / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if files is not None and hashlib.sha256(data).hexdigest() != files.get(name):
+            raise CacheError(f"statistics cache file {path} changed while this run used it; run again (the damaged "
+                             "entry is then recomputed)")  # fmt: skip
+        try:
+            out.update(load_bytes(data))
+        except SafetensorError as err:
+            raise CacheError(f"statistics cache file {path} is damaged ({err}); delete {entry} and run again") from None
     return out

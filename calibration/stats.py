@@ -20,6 +20,7 @@ import math
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS
+from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
 
 
@@ -197,7 +198,10 @@ class StatsCollector:
             if parts:
                 out[key] = torch.cat(parts)
         if math.isnan(float(out.get("router_entropy", torch.tensor(0.0)))):
-            raise FloatingPointError(f"layer {self.layer.index}: NaN in router statistics")
+            raise CheckpointError(
+                f"layer {self.layer.index}: NaN in the router statistics (its inputs or router weights are not "
+                "finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
+            )
         return out
 
     def merge_backward(self, other: StatsCollector) -> None:

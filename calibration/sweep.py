@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from moecompress.calibration.catalogue import backward_needed
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.stats import StatsCollector
+from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,36 @@ class _InputStore:
             self._dir.cleanup()
 
 
+def check_finite(layer: MoELayer) -> None:
+    """:class:`CheckpointError` naming the layer, projection and expert of the first NaN/Inf weight of
+    the MoE block (found before it poisons every later layer's statistics)."""
+    for bank_name, bank in (("expert", layer.experts), ("shared expert", layer.shared)):
+        if bank is None:
+            continue
+        for proj in ("gate", "up", "down"):
+            for name, t in getattr(bank, proj).tensors().items():
+                if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+                    continue
+                bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(1) if t.dim() == 3 else None
+                which = f" {int(bad.nonzero()[0])}" if bad is not None and bank_name == "expert" else ""
+                raise CheckpointError(
+                    f"layer {layer.index}: {bank_name}{which} {proj}_proj ({name}) holds NaN/Inf weights; the "
+                    "checkpoint is damaged: re-download or re-export it"
+                )
+    for name in ("router_weight", "router_bias", "score_bias", "shared_gate"):
+        t = getattr(layer, name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"layer {layer.index}: the router's {name} holds NaN/Inf; the checkpoint is damaged")
+
+
+def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
+    if not all(bool(torch.isfinite(o if isinstance(o, torch.Tensor) else o[0]).all()) for o in outs):
+        raise CheckpointError(
+            f"decoder layer {i}: its output holds NaN/Inf (its attention or norm weights, or its inputs, are "
+            "not finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
+        )
+
+
 OnLayer = Callable[[int, MoELayer, dict[str, torch.Tensor]], "MoELayer | None"]
 """Called after layer ``i``'s forward statistics; may return a layer to propagate with instead."""
 
@@ -125,6 +156,8 @@ def run_calibration(
             if store is not None:
                 store.put(i, hidden)
             moe = ckpt.read_layer(i) if i in moe_layers else None
+            if moe is not None:
+                check_finite(moe)
             col = StatsCollector(moe, needs, sample_tokens) if moe is not None else None
             mod = skel.layer(i, moe, col)
             outs = []
@@ -135,6 +168,7 @@ def run_calibration(
                     args, kw = kwargs[b][i]
                     outs.append(mod(x, *args, **kw))
             del mod
+            _check_outputs(i, outs)
             if col is not None:
                 stats = col.result()
                 save_forward(i, stats)

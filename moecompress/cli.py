@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `moecompress eval ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -57,3 +57,21 @@ class MethodError(MoecompressError):
 class MissingExtraError(MoecompressError):
     """A step or command needs an optional dependency that is not installed; the message names the
     ``pip install "moecompress[extra]"`` that brings it."""
+
+
+class LockedError(MoecompressError):
+    """Another run is writing the same output (or computing the same statistics) right now."""
+
+
+class CacheError(MoecompressError):
+    """A statistics-cache file cannot be written, or changed or broke while a run used it."""
+
+
+class WriteError(MoecompressError):
+    """The output (or the cache) cannot be written: disk full, read-only, a rename that is refused."""
+
+
+class Interrupted(MoecompressError):
+    """The run was interrupted (Ctrl-C); the message says what was kept for ``--resume``."""
+
+    exit_code = 130

@@ -15,3 +15,26 @@ def shared_dir() -> Path:
     if not (SHARED / "data" / "models").is_dir():
         pytest.skip("../shared reference data is absent")
     return SHARED
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs(size_bytes, read_only=False)`` -> a directory on its own small tmpfs (a real full
+    disk or read-only file system); skips where mounting is not permitted."""
+    import subprocess
+
+    mounts = []
+
+    def make(size: int, read_only: bool = False) -> Path:
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode})")
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in mounts:
+        subprocess.run(["umount", str(path)], capture_output=True)

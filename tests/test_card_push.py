@@ -256,6 +256,10 @@ def test_dry_run_is_the_upload_folder(out, no_network):
     staging = out.parent / "out.push-preview"
     assert res["dry_run"] is True and res["folder"] == str(staging) and res["card"] == "existing"
     assert set(res["files"]) == expected
+    # what is left out is listed, hidden folders once; a run's own output leaves nothing else out
+    assert res["skipped"] == sorted(
+        [".hidden", ".moecompress-cache/", ".out.partial/", "journal.json", "w.partial"]
+    )
     assert set(_tree(staging)) == set(res["files"])  # nothing hidden, cached or partial
     assert res["bytes"] == sum(len(b) for b in _tree(staging).values())
     assert all(_tree(staging)[f] == before[f] for f in expected)

@@ -205,7 +205,7 @@ def _in_memory_logits(root: Path, res, fn, cfg):
     """The original model with each MoE block replaced by the pass's in-memory result (reference forward)."""
     ckpt = mc.open_checkpoint(root / "m")
     model = AutoModelForCausalLM.from_pretrained(root / "m").eval()
-    entry = Path(res.report["calibration"]["entry"])
+    entry = res.cache_entry
     layers = {}
     for i in ckpt.moe_layer_indices:
         layers[i], _ = fn(ckpt.read_layer(i), LayerStats(i, load_layer(entry, i)), cfg)

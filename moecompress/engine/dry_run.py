@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
+from moecompress.engine import resources
+from moecompress.engine.context import compute_dtype
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
 from moecompress.extras import require
@@ -94,6 +96,10 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     _check_propagation(recipe, needs)
     if not ckpt.moe_layer_indices:
         raise RecipeError(f"recipe field 'model': {ckpt.path} has no MoE layers")
+    try:
+        ckpt.non_weight_files(recipe.copy_extra)
+    except MoecompressError as err:
+        raise RecipeError(f"recipe field 'copy_extra': {err}") from None
     moe_in = 0
     moe_out = [0] * len(recipe.steps)
     for i in ckpt.moe_layer_indices:
@@ -103,7 +109,10 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             moe_out[n] += emitted.nbytes()
     in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)
     emitted = [s for s in recipe.steps if not s.spec.report_only]
+    written = emitted if recipe.emit == "every_step" else emitted[-1:]
     return {
+        **resources.estimate(recipe, ckpt, compute_dtype(recipe, ckpt)),
+        "written_steps": [s.label for s in written],
         "model_type": ckpt.model_type,
         "moe_layers": ckpt.moe_layer_indices,
         "steps": [s.label for s in recipe.steps],

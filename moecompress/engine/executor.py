@@ -17,6 +17,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,20 +27,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
-from moecompress.calibration.cache import StatsCache, load_layer, model_key, save_layer
+from moecompress.calibration.cache import StatsCache, load_layer, model_key, save_layer, tokens_key
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.engine import resources
 from moecompress.engine.context import RunContext
 from moecompress.engine.dry_run import dry_run
-from moecompress.engine.journal import finished, resumable
+from moecompress.engine.journal import JOURNAL, finished, resumable, staging_dir
+from moecompress.engine.lock import RunLock
 from moecompress.engine.recipe import Recipe, load_recipe, pass_table
 from moecompress.engine.run import RecipeRun
 from moecompress.engine.spec import PassSpec
 from moecompress.engine.steps import compress_for_propagation, step_stats
-from moecompress.errors import MoecompressError, OutputExistsError, RecipeError
+from moecompress.errors import (
+    CacheError,
+    Interrupted,
+    MoecompressError,
+    OutputExistsError,
+    RecipeError,
+    WriteError,
+)
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -50,6 +63,8 @@ class RunResult:
     dry_run: bool = False
     resumed_finished: bool = False
     """``--resume`` found the output already finished by the same recipe: nothing was done."""
+    cache_entry: Path | None = None
+    """The statistics-cache entry the run used (reports name only its key, no local path)."""
 
 
 def _open(recipe: Recipe) -> Checkpoint:
@@ -59,15 +74,40 @@ def _open(recipe: Recipe) -> Checkpoint:
         raise type(err)(f"recipe field 'model': {err}") from None
 
 
+def _cache_root(recipe: Recipe) -> Path:
+    c = recipe.calibration
+    return Path(c.cache_dir) if c.cache_dir else Path(recipe.output).resolve().parent / ".moecompress-cache"
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
 def _check_output(recipe: Recipe, ckpt: Checkpoint) -> None:
-    """The output may not be the input checkpoint, inside it, or hold it (``--overwrite`` would
-    replace the model being read)."""
-    out, src = Path(recipe.output).resolve(), ckpt.path.resolve()
-    if out == src or src in out.parents or out in src.parents:
+    """Before any work: the output may not be, hold or lie inside the input checkpoint or the statistics
+    cache (``--overwrite`` would replace what the run reads; symlinks are resolved), may not be a mount
+    point or the root (it is renamed into place), and its parent must be writable."""
+    out = Path(recipe.output).resolve()
+    for what, path in (("the input checkpoint", ckpt.path), ("the statistics cache", _cache_root(recipe))):
+        if _overlaps(out, path.resolve()):
+            raise RecipeError(
+                f"recipe field 'output': {recipe.output} overlaps {what} {path}; choose an output directory "
+                "outside it"
+            )
+    if out == out.parent or os.path.ismount(out):
         raise RecipeError(
-            f"recipe field 'output': {recipe.output} overlaps the input checkpoint {ckpt.path}; choose an "
-            "output directory outside it"
+            f"recipe field 'output': {recipe.output} is a mount point or the root, which cannot be renamed into "
+            "place; choose a directory inside it"
         )
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=f".{out.name}.probe-").cleanup()
+    except OSError as err:
+        raise RecipeError(
+            f"recipe field 'output': cannot write in {parent} ({err.strerror}); choose a writable location"
+        ) from None
 
 
 def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> str:
@@ -100,7 +140,7 @@ def calibrate_stats(
     """Find or compute the statistics every step needs; returns (cache entry, summary)."""
     c = recipe.calibration
     needs = set(recipe.needs) | ALWAYS
-    root = Path(c.cache_dir) if c.cache_dir else Path(recipe.output).resolve().parent / ".moecompress-cache"
+    root = _cache_root(recipe)
     key = {
         "source": fingerprint,
         "samples": c.samples,
@@ -111,6 +151,7 @@ def calibrate_stats(
         "sample_tokens": c.sample_tokens,
         "dtype": str(ctx.dtype),
         "propagate": c.propagate,
+        "tokens": tokens_key(ids),
         "extra": cache_key_extra,
     }
     cache = StatsCache(root, model_key(ckpt), key)
@@ -118,21 +159,26 @@ def calibrate_stats(
     if found is not None:
         log.info("reusing calibration statistics from %s", found)
         return found, {"cached": True, "entry": str(found)}
-    entry = cache.begin(needs)
-    t0 = time.perf_counter()
-    summary = run_calibration(
-        Skeleton(ckpt, ctx.dtype),
-        Batches.make(ids, c.holdout_samples, c.batch_size),
-        needs,
-        sample_tokens=c.sample_tokens,
-        offload=c.offload,
-        save_forward=lambda i, s: save_layer(entry, i, s),
-        save_backward=lambda i, s: save_layer(entry, i, s, grad=True),
-        on_layer=on_layer,
-        progress=ctx.progress,
-    )
-    summary = {**summary, "seconds": round(time.perf_counter() - t0, 3), "cached": False}
-    final = cache.finish(entry, needs, summary)
+    with RunLock(cache.entry_path(needs), f"statistics cache entry {cache.entry_path(needs)}"):
+        entry = cache.begin(needs)
+        t0 = time.perf_counter()
+        try:
+            summary = run_calibration(
+                Skeleton(ckpt, ctx.dtype),
+                Batches.make(ids, c.holdout_samples, c.batch_size),
+                needs,
+                sample_tokens=c.sample_tokens,
+                offload=c.offload,
+                save_forward=lambda i, s: save_layer(entry, i, s),
+                save_backward=lambda i, s: save_layer(entry, i, s, grad=True),
+                on_layer=on_layer,
+                progress=ctx.progress,
+            )
+        except BaseException:
+            cache.abort(entry)  # a failed calibration leaves no partial entry behind
+            raise
+        summary = {**summary, "seconds": round(time.perf_counter() - t0, 3), "cached": False}
+        final = cache.finish(entry, needs, summary)
     return final, {**summary, "entry": str(final)}
 
 
@@ -187,6 +233,7 @@ def apply(
     ckpt = _open(rec)
     _check_output(rec, ckpt)
     plan = dry_run(rec, ckpt)
+    resources.check(rec, plan, out.parent, memory=resources.available_memory(), disk_free=resources.free_disk(out))
     fingerprint = _check_calibration_source(rec, ckpt)
     if resume:
         journal = resumable(rec)
@@ -194,6 +241,22 @@ def apply(
             log.info("nothing durable to resume in %s; starting over", out)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
+    with RunLock(out, f"output {out}"):
+        if not resume and out.exists() and not overwrite:  # it may have appeared while we checked
+            raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
+        try:
+            return _compress(rec, ckpt, plan, fingerprint, journal, progress)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; {_leftover(rec)}") from None
+        except OSError as err:
+            raise WriteError(f"cannot write {err.filename or rec.output}: {err.strerror}; {_leftover(rec)}") from None
+        except SafetensorError as err:
+            raise WriteError(f"cannot write the output ({err}); {_leftover(rec)}") from None
+        except MoecompressError as err:
+            raise type(err)(f"{err}; {_leftover(rec, keep=isinstance(err, CacheError))}") from None
+
+
+def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, progress: bool):
     ctx = RunContext.for_recipe(rec, ckpt, progress=progress)
     ids = _token_ids(rec, ckpt)
     t0 = time.perf_counter()
@@ -206,7 +269,17 @@ def apply(
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal)
     run.loop()
-    return RunResult(out, run.finish(calib, t0, plan))
+    return RunResult(Path(rec.output), run.finish(calib, t0, plan), cache_entry=entry)
+
+
+def _leftover(rec: Recipe, keep: bool = True) -> str:
+    """After a failed run: keep the staging directory when ``--resume`` can use it (a journal of
+    durable layers exists and the failure was not the recipe's), else remove it; say which."""
+    staging = staging_dir(rec.output)
+    if keep and (staging / JOURNAL).is_file():
+        return f"the durable layers are kept in {staging}: run the same command with --resume to continue"
+    shutil.rmtree(staging, ignore_errors=True)
+    return "nothing was written"
 
 
 def calibrate(recipe, overrides=(), *, passes: Iterable[PassSpec] = (), progress: bool = True) -> Path:

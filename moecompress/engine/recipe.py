@@ -22,7 +22,7 @@ import difflib
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +54,18 @@ class CalibrationConfig(BaseModel):
     offload: Literal["auto", "ram", "disk"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cache_dir: str | None = None
+    memory_limit: int | str | None = Field(
+        None, description="refuse a calibration estimated to need more memory (default: what is available)"
+    )
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _limit(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            from moecompress.io.writer import parse_size
+
+            parse_size(value)  # raises ValueError with the accepted forms
+        return value
 
     @model_validator(mode="after")
     def _holdout_fits(self) -> CalibrationConfig:
@@ -76,6 +88,9 @@ class Step:
     name: str
     spec: PassSpec
     config: PassConfig
+    digits: int = 2
+    """Width of the step number in folder names (at least 2; enough for every step of the recipe, so
+    folders sort in step order at any count)."""
 
     @property
     def label(self) -> str:
@@ -83,7 +98,7 @@ class Step:
 
     @property
     def dirname(self) -> str:
-        return f"{self.number:02d}-{self.name}"
+        return f"{self.number:0{self.digits}d}-{self.name}"
 
     @property
     def needs(self) -> frozenset[str]:
@@ -99,6 +114,9 @@ class _RecipeModel(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     emit: Literal["final", "every_step"] = "final"
     max_shard_size: int | str = "5GB"
+    copy_extra: list[str] = Field(
+        default_factory=list, description="input files to copy besides the tokenizer, configs and license files"
+    )
     steps: list[Any] = Field(min_length=1)
 
     @field_validator("max_shard_size")
@@ -118,6 +136,7 @@ class Recipe:
     emit: str
     max_shard_size: int | str
     steps: tuple[Step, ...]
+    copy_extra: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as YAML would hold it."""
@@ -127,6 +146,7 @@ class Recipe:
             "calibration": self.calibration.model_dump(),
             "emit": self.emit,
             "max_shard_size": self.max_shard_size,
+            **({"copy_extra": list(self.copy_extra)} if self.copy_extra else {}),
             "steps": [{s.name: s.config.model_dump(mode="json")} for s in self.steps],
         }
 
@@ -180,7 +200,11 @@ def _read(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); save the recipe as UTF-8") from None
+    except OSError as err:
+        raise RecipeError(f"recipe file {path} cannot be read ({err.strerror})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -284,7 +308,8 @@ def load_recipe(
         raw = _RecipeModel.model_validate(data)
     except ValidationError as err:
         raise _explain(err, "recipe", _RecipeModel) from None
-    steps = tuple(_parse_step(n, item, passes) for n, item in enumerate(raw.steps, start=1))
+    digits = max(2, len(str(len(raw.steps))))
+    steps = tuple(replace(_parse_step(n, item, passes), digits=digits) for n, item in enumerate(raw.steps, start=1))
     return Recipe(
         model=raw.model,
         output=raw.output,
@@ -292,4 +317,5 @@ def load_recipe(
         emit=raw.emit,
         max_shard_size=raw.max_shard_size,
         steps=steps,
+        copy_extra=tuple(raw.copy_extra),
     )

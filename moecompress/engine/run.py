@@ -24,7 +24,7 @@ from moecompress.engine.layer_loop import stream_layers
 from moecompress.engine.protection import MASSIVE_RATIO_WARNING, TopActivation
 from moecompress.engine.recipe import Recipe
 from moecompress.engine.steps import run_step, step_stats
-from moecompress.hub.card import write_model_card
+from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
 from moecompress.io.writer import ShardWriter, move_into_place
@@ -119,6 +119,7 @@ class RecipeRun:
             hx = hx.to(dtype)
             top0 = TopActivation()
             hy = moe_forward(cast_layer(layer, dtype), hx, top0)
+        errors = {"rel_error": 0.0, "sqnr_db": float("inf"), "massive_ratio": 1.0}  # of the unchanged layer
         for step in self.rec.steps:
             # sizes compare the step's input and output; the error is cumulative (vs the original block)
             before_params, before_bytes = layer.num_params(), layer.nbytes()
@@ -133,12 +134,15 @@ class RecipeRun:
                 "bytes_before": before_bytes,
                 "bytes_after": new.nbytes(),
                 "seconds": round(secs, 4),
+                "changed": new is not layer,
             }
             if hx is not None and hy is not None:
-                top = TopActivation()
-                approx = moe_forward(cast_layer(new, dtype), hx, top)
-                row["rel_error"], row["sqnr_db"] = relative_error(hy, approx), sqnr_db(hy, approx)
-                row["massive_ratio"] = top.value / top0.value if top0.value > 0 else 1.0
+                if new is not layer:  # an unchanged layer keeps the errors it had
+                    top = TopActivation()
+                    approx = moe_forward(cast_layer(new, dtype), hx, top)
+                    errors = {"rel_error": relative_error(hy, approx), "sqnr_db": sqnr_db(hy, approx),
+                              "massive_ratio": top.value / top0.value if top0.value > 0 else 1.0}  # fmt: skip
+                row.update(errors)
             self.rows[step.number].append(row)
             self.infos[step.number][idx] = json_safe(info)
             if step.number in self.writers:
@@ -161,7 +165,7 @@ class RecipeRun:
     def _write_checkpoint_files(self) -> None:
         for n, w in self.writers.items():
             w.commit()
-            for f in self.ckpt.non_weight_files():
+            for f in self.ckpt.non_weight_files(self.rec.copy_extra):
                 if f.name != "README.md":  # the base model's card describes the base, not this output
                     shutil.copy2(f, self.dirs[n] / f.name)
             (self.dirs[n] / "recipe.yaml").write_text(self.rec.to_yaml())
@@ -221,11 +225,12 @@ class RecipeRun:
     def finish(self, calib: dict, started: float, dry: dict) -> dict:
         self._write_checkpoint_files()
         steps, warnings = self._step_reports()
-        run = {
-            "recipe": self.rec.to_dict(),
+        calib = {**calib, "entry": Path(calib["entry"]).name} if "entry" in calib else calib
+        run = {  # no local absolute paths: reports and cards travel (push)
+            "recipe": public_recipe(self.rec.to_dict()),
             "recipe_hash": self.rec.fingerprint(),
-            "model": self.rec.model,
-            "output": str(self.out),
+            "model": public_path(self.rec.model),
+            "output": public_path(str(self.out)),
             "moecompress_version": __version__,
             "steps": steps,
             "calibration": calib,
@@ -234,6 +239,8 @@ class RecipeRun:
             "peak_rss_mb": round(max(self.peak.values(), default=0.0), 1),
             "warnings": warnings,
             "checkpoint": bool(self.writers),
+            "base_card": _base_card(self.ckpt),  # its license passes to this output's card, also at push time
+            "input_files_skipped": self.ckpt.skipped_files(self.rec.copy_extra),
         }
         if not self.writers:
             (self.staging / "recipe.yaml").write_text(self.rec.to_yaml())
@@ -256,12 +263,16 @@ def _massive_warnings(rows: list[dict]) -> list[str]:
     ]
 
 
-def _card_kwargs(run: dict, ckpt: Checkpoint, descs: dict, name: str) -> dict:
+def _base_card(ckpt: Checkpoint) -> str | None:
     readme = ckpt.path / "README.md"
+    return readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else None
+
+
+def _card_kwargs(run: dict, ckpt: Checkpoint, descs: dict, name: str) -> dict:
     return {
         "run": run,
         "base_config": ckpt.raw_config,
-        "base_card": readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else None,
+        "base_card": run["base_card"],
         "loadability": "moecompress" if any(descs.values()) else "stock",
         "name": name,
     }

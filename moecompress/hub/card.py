@@ -75,6 +75,38 @@ def base_repo_id(model: str) -> str | None:
     return text
 
 
+def public_path(path: str | None) -> str | None:
+    """A path as it may appear in a report or card that leaves this machine: a Hub cache snapshot as
+    its repo id, an absolute local path as ``…/<last component>``, anything relative as given."""
+    if path is None:
+        return None
+    text = str(path)
+    m = _HF_CACHE.search(text.replace("\\", "/"))
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    if text.startswith(("/", "~")) or (len(text) > 2 and text[1] == ":"):
+        return f"…/{Path(text).name}"
+    return text
+
+
+def public_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """``recipe`` (as :meth:`~moecompress.engine.recipe.Recipe.to_dict` gives it) with its local paths
+    made public (:func:`public_path`): model, output, the cache directory and ``file:`` sources."""
+    out = dict(recipe)
+    for key in ("model", "output"):
+        if isinstance(out.get(key), str):
+            out[key] = public_path(out[key])
+    cal = dict(out.get("calibration") or {})
+    if isinstance(cal.get("cache_dir"), str):
+        cal["cache_dir"] = public_path(cal["cache_dir"])
+    src = cal.get("source")
+    if isinstance(src, str) and src.startswith("file:"):
+        cal["source"] = "file:" + ",".join(str(public_path(x)) for x in src[5:].split(","))
+    if cal:
+        out["calibration"] = cal
+    return out
+
+
 def front_matter(card: str) -> dict[str, Any]:
     """The YAML header of a model card as a dict (empty when there is none or it does not parse)."""
     m = _FRONT_MATTER.match(card)
@@ -243,8 +275,9 @@ def write_model_card(out_dir: Path, **kwargs: Any) -> Path:
 def card_inputs(folder: Path, *, repo_id: str | None = None) -> dict[str, Any]:
     """:func:`model_card` keyword arguments for a finished run directory (``report.json``, ``config.json``).
 
-    The base card (for its license) is read only from places that need no network: the recipe's
-    model directory when it exists, or the local Hugging Face cache of its repo id.
+    The base card (for its license) is the one the run recorded in ``report.json`` (``base_card``), else
+    read only from places that need no network: the recipe's model directory when it exists, or the
+    local Hugging Face cache of its repo id.
     """
     folder = Path(folder)
     report = folder / "report.json"
@@ -258,7 +291,9 @@ def card_inputs(folder: Path, *, repo_id: str | None = None) -> dict[str, Any]:
     return {
         "run": run,
         "base_config": config,
-        "base_card": _local_base_card(str(run.get("model") or (run.get("recipe") or {}).get("model") or "")),
+        "base_card": run.get("base_card")
+        if isinstance(run.get("base_card"), str)
+        else _local_base_card(str(run.get("model") or (run.get("recipe") or {}).get("model") or "")),
         "loadability": infer_loadability(config),
         "repo_id": repo_id,
     }

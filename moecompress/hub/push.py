@@ -1,8 +1,13 @@
 """Upload a compressed checkpoint directory to the Hugging Face Hub (``moecompress push``).
 
-What is uploaded is exactly :func:`upload_files`: every file of the directory except hidden files and
-directories (``.moecompress-cache``, ``.<out>.partial``, temporary ``.*.tmp`` siblings), ``*.partial``,
-``*.tmp``, resume journals and ``__pycache__``. Without a ``README.md`` (or when it is the base
+What is uploaded is exactly :func:`upload_files`: the files moecompress writes in an output and nothing
+else — the weights (``*.safetensors``) and their index, ``config.json``, the model files a run carries
+over from its input (:func:`moecompress.io.checkpoint.is_model_file`: tokenizer, generation config,
+license, ...), ``recipe.yaml``, ``report.json``, ``report.md``, the ``README.md`` card, and under
+``steps/`` the same names plus the report plots (``*.png``). A symlink whose target leaves the
+directory is never uploaded. Everything else is listed by :func:`skipped_files` (and in the summary's
+``skipped``); hidden folders (the statistics cache ``.moecompress-cache``, ``.<out>.partial``) and
+``__pycache__`` are listed once, not walked. Without a ``README.md`` (or when it is the base
 model's card, which a run copies with the other non-weight files) the model card is generated first
 (:mod:`moecompress.hub.card`, from ``report.json`` and ``config.json``). ``dry_run=True`` makes no
 network call: it copies exactly those files, plus the generated card, into a staging directory
@@ -25,6 +30,8 @@ from huggingface_hub import HfApi
 
 from moecompress.errors import MoecompressError, OutputExistsError
 from moecompress.hub.card import card_inputs, model_card, write_model_card
+from moecompress.io.checkpoint import is_model_file
+from moecompress.io.reader import INDEX_NAME, is_confined
 
 
 class HubError(MoecompressError):
@@ -32,9 +39,8 @@ class HubError(MoecompressError):
 
 
 _REPO_PART = re.compile(r"^[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?$")
-JOURNAL_FILES = frozenset({"journal.json", "journal.tmp"})
 CACHE_DIRS = frozenset({".moecompress-cache", "__pycache__"})
-EXCLUDED_SUFFIXES = (".partial", ".tmp")
+OUTPUT_FILES = frozenset({INDEX_NAME, "config.json", "recipe.yaml", "report.json", "report.md", "README.md"})
 _SECRETS = (re.compile(r"hf_[A-Za-z0-9]{6,}"), re.compile(r"(?i)(bearer\s+)\S+"))
 
 
@@ -58,26 +64,42 @@ def check_repo_id(repo_id: str) -> str:
     return text
 
 
-def _excluded(name: str) -> bool:
-    return (
-        name.startswith(".")
-        or name.endswith(EXCLUDED_SUFFIXES)
-        or name in JOURNAL_FILES
-        or name in CACHE_DIRS
-    )
+def _uploaded(rel: str) -> bool:
+    """Whether the file at relative POSIX path ``rel`` is one moecompress writes in an output."""
+    *dirs, name = rel.split("/")
+    if name.startswith(".") or (dirs and dirs[0] != "steps"):
+        return False
+    if dirs and name.endswith(".png"):  # the step reports' plots
+        return True
+    return name.endswith(".safetensors") or name in OUTPUT_FILES or is_model_file(name)
+
+
+def _plan(folder: Path) -> tuple[list[str], list[str]]:
+    """(files to upload, what is left out) as sorted relative POSIX paths; folders left out end in ``/``."""
+    roots = [folder.resolve()]
+    files, skipped = [], []
+    for root, dirs, names in os.walk(folder):  # symlinked directories are not followed
+        base = Path(root)
+        for d in list(dirs):
+            if d.startswith(".") or d in CACHE_DIRS or (base / d).is_symlink():
+                dirs.remove(d)
+                skipped.append((base / d).relative_to(folder).as_posix() + "/")
+        for name in names:
+            path = base / name
+            rel = path.relative_to(folder).as_posix()
+            ok = _uploaded(rel) and is_confined(path, roots) and path.is_file()
+            (files if ok else skipped).append(rel)
+    return sorted(files), sorted(skipped)
 
 
 def upload_files(folder: Path) -> list[str]:
     """Relative POSIX paths of the files a push uploads from ``folder`` (sorted; see module docstring)."""
-    folder = Path(folder)
-    files = []
-    for root, dirs, names in os.walk(folder):  # symlinked directories are not followed
-        dirs[:] = sorted(d for d in dirs if not _excluded(d))
-        for name in names:
-            path = Path(root) / name
-            if not _excluded(name) and path.is_file():
-                files.append(path.relative_to(folder).as_posix())
-    return sorted(files)
+    return _plan(Path(folder))[0]
+
+
+def skipped_files(folder: Path) -> list[str]:
+    """Relative POSIX paths of what ``folder`` holds that a push leaves out (folders end in ``/``)."""
+    return _plan(Path(folder))[1]
 
 
 def _literal(path: str) -> str:
@@ -167,7 +189,8 @@ def push(
 ) -> dict[str, Any]:
     """Upload the checkpoint directory ``path`` to the Hub repo ``repo_id`` (created if needed).
 
-    Returns ``{"repo_id", "files", "bytes", "dry_run", "card", ...}``: with ``dry_run`` also
+    Returns ``{"repo_id", "files", "bytes", "dry_run", "card", "skipped", ...}``: ``skipped`` lists
+    what the folder holds that is not uploaded (:func:`skipped_files`); with ``dry_run`` also
     ``"folder"`` (the staging copy, nothing sent); otherwise ``"private"`` and ``"commit_url"``.
     ``card`` is ``"existing"``, ``"generated"`` (there was no README.md) or ``"regenerated"`` (the
     README.md was the base model's card, copied by the run). A real push writes a generated card into
@@ -176,7 +199,7 @@ def push(
     repo_id = check_repo_id(repo_id)
     folder = Path(path).expanduser()
     _check_folder(folder)
-    files = upload_files(folder)
+    files, skipped = _plan(folder)
     inputs, card = _card_plan(folder, files, repo_id)
 
     if dry_run:
@@ -191,6 +214,7 @@ def push(
             "bytes": size,
             "dry_run": True,
             "card": card,
+            "skipped": skipped,
             "folder": str(target),
         }
 
@@ -218,6 +242,7 @@ def push(
         "bytes": size,
         "dry_run": False,
         "card": card,
+        "skipped": skipped,
         "private": private,
         "commit_url": _scrub(str(getattr(info, "commit_url", info)), token),
     }

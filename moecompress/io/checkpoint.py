@@ -4,6 +4,11 @@
 shard integrity, every MoE tensor's name and shape) before any weight is read, so bad input fails
 fast with one line naming the file or key. Streaming a checkpoint into a new one is
 :func:`moecompress.engine.layer_loop.rewrite_checkpoint`.
+
+What an output carries over from its input is an allow-list (:func:`is_model_file`: tokenizer,
+generation and processor configs, chat templates, license, notice, use policy, README), plus the
+names a caller asks for; everything else (a stray ``credentials.json``, a symlink out of the folder)
+stays behind and is listed by :meth:`Checkpoint.skipped_files`.
 """
 
 from __future__ import annotations
@@ -11,18 +16,37 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moecompress.adapters import Adapter, adapter_class
 from moecompress.errors import CheckpointError
-from moecompress.io.hub import resolve_checkpoint_dir
-from moecompress.io.reader import INDEX_NAME, ShardReader
+from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
+from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
 from moecompress.ir import MoELayer
 
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+# What transformers' save_pretrained and the tokenizers write beside the weights (besides config.json).
+MODEL_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "preprocessor_config.json", "processor_config.json", "README.md",
+})  # fmt: skip
+MODEL_FILE_PATTERN = re.compile(
+    r"[^/\\]+\.(model|tiktoken)|(license|licence|notice|use_policy)([._-][\w.-]*)?", re.IGNORECASE
+)
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file called ``name`` is one a model folder legitimately carries besides its weights and
+    ``config.json``: tokenizer files (``*.model``, ``*.tiktoken`` included), chat templates, generation
+    and processor configs, ``LICENSE*``, ``NOTICE*``, ``USE_POLICY*`` and ``README.md``."""
+    if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES):
+        return False
+    return name in MODEL_FILES or MODEL_FILE_PATTERN.fullmatch(name) is not None
 
 
 @dataclass
@@ -86,18 +110,60 @@ class Checkpoint:
         order = [None, *sorted(k for k in groups if k is not None)]
         return [(k, groups[k]) for k in order if groups[k]]
 
-    def non_weight_files(self) -> list[Path]:
-        """Tokenizer, configs and other files to copy next to rewritten weights (never weights)."""
+    def non_weight_files(self, extra: Iterable[str] = ()) -> list[Path]:
+        """The files to copy next to rewritten weights: every :func:`is_model_file` of the directory,
+        plus the file names in ``extra`` (sorted by name). Never weights, the index or ``config.json``
+        (callers write their own); never a symlink whose target leaves the directory.
+
+        A name in ``extra`` that is not a file of the directory, has a path separator, or is a weight,
+        index or ``config.json`` file is a :class:`CheckpointError`."""
+        asked = self._extra(extra)
+        return [self.path / n for n in self._entries() if n in asked or self._copies(n)]
+
+    def skipped_files(self, extra: Iterable[str] = ()) -> list[str]:
+        """Names of what the directory holds that is neither read (shards, index, ``config.json``) nor
+        copied by :meth:`non_weight_files` with the same ``extra``; folders end in ``/``."""
+        asked = self._extra(extra)
+        read = {INDEX_NAME, "config.json", *self.reader.shards}
         out = []
-        for p in sorted(self.path.iterdir()):
-            if (
-                p.is_file()
-                and not p.name.startswith(".")
-                and p.name != INDEX_NAME
-                and not p.name.endswith(WEIGHT_SUFFIXES)
-            ):
-                out.append(p)
+        for name in self._entries():
+            p = self.path / name
+            if name in read or name in asked or self._copies(name):
+                continue
+            out.append(f"{name}/" if p.is_dir() and not p.is_symlink() else name)
         return out
+
+    def _entries(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir())
+
+    def _copies(self, name: str) -> bool:
+        p = self.path / name
+        return is_model_file(name) and is_confined(p, allowed_roots(self.path)) and p.is_file()
+
+    def _extra(self, extra: Iterable[str]) -> set[str]:
+        """The names in ``extra``, each checked (a one-line :class:`CheckpointError` for a bad one)."""
+        asked = set()
+        for name in [extra] if isinstance(extra, str) else extra:
+            why = self._extra_problem(name)
+            if why is not None:
+                raise CheckpointError(
+                    f"extra file {name!r} {why} ({self.path}); name plain files of the checkpoint "
+                    "directory, e.g. extra: [training_args.json]"
+                )
+            asked.add(name)
+        return asked
+
+    def _extra_problem(self, name: object) -> str | None:
+        if not isinstance(name, str) or "/" in name or "\\" in name or "\0" in name:
+            return "is not a plain file name (it has a path separator)"
+        if name in (INDEX_NAME, "config.json") or name.endswith(WEIGHT_SUFFIXES):
+            return "is a weight, index or config.json file, which a run writes itself"
+        p = self.path / name
+        if name in ("", ".", "..") or not p.is_file():
+            return "is not a file of the checkpoint directory"
+        if not is_confined(p, allowed_roots(self.path)):
+            return "links outside the checkpoint directory"
+        return None
 
 
 def open_checkpoint(
@@ -111,6 +177,10 @@ def open_checkpoint(
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
+    if not is_confined(cfg_path, allowed_roots(path)):
+        raise CheckpointError(
+            f"{cfg_path} links outside the checkpoint directory; copy the file into the directory instead"
+        )
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as err:

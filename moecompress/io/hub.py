@@ -5,7 +5,9 @@ quickstart runs on a fresh clone with no network: ``moecompress:quickstart`` is 
 Qwen3-MoE (see ``scripts/train_tiny_moe.py``).
 
 From the Hub, only safetensors weights, JSON configs and tokenizer files are downloaded; pickle
-weights (``*.bin``, ``*.pt``) and remote code are never fetched.
+weights (``*.bin``, ``*.pt``) and remote code are never fetched. A snapshot's files are symlinks into
+the repo's ``blobs/`` folder (``models--org--name/snapshots/<rev>/f -> ../../blobs/<hash>``):
+:func:`allowed_roots` says where the files of a checkpoint directory may point.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def resolve_checkpoint_dir(path_or_id: str | Path, *, revision: str | None = Non
             "your network and HF_TOKEN."
         ) from None
     return Path(local)
+
+
+def allowed_roots(directory: str | Path) -> list[Path]:
+    """The resolved folders that the files of ``directory`` may resolve into: the directory itself, and
+    for a Hub cache snapshot (``models--org--name/snapshots/<rev>``) also the repo's ``blobs/`` folder."""
+    root = Path(directory).resolve()
+    roots = [root]
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        roots.append((repo / "blobs").resolve())
+    return roots
 
 
 def bundled_model_dir(name: str) -> Path:

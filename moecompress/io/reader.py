@@ -6,6 +6,11 @@ truncated or corrupt file is reported before any work starts. Tensors are read o
 so no memory map (and none of the pages read through it) stays resident between reads and the whole
 model is never in memory. Read in small groups to keep the transient peak small: while a group is
 being read, its bytes are held twice (mapped pages and copies).
+
+Every shard stays inside the checkpoint directory: an index entry with ``..``, an absolute path, or a
+symlink whose target leaves the directory (a Hub cache snapshot's links into its repo's ``blobs/`` are
+inside, see :func:`moecompress.io.hub.allowed_roots`) is a :class:`CheckpointError` before any file
+is opened.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from moecompress.errors import CheckpointError
+from moecompress.io.hub import allowed_roots
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +38,32 @@ SAFETENSORS_DTYPES = {
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
 
+def is_confined(path: Path, roots: list[Path]) -> bool:
+    """Whether ``path``, with every symlink resolved, lies inside one of the resolved ``roots``."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        return False
+    return any(real == r or r in real.parents for r in roots)
+
+
+def unsafe_name(name: str) -> str | None:
+    """Why ``name`` is not a relative path inside a directory (``None`` when it is one)."""
+    if not name or "\0" in name or "\\" in name:
+        return "an empty name, a NUL byte or a backslash"
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive:
+        return "an absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "a '..' component"
+    return None
+
+
 class ShardReader:
     """Index of every tensor of a checkpoint directory, and on-demand reads."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
+        self._roots = allowed_roots(self.directory)
         self._shard_of: dict[str, str] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
         self._dtype: dict[str, str] = {}
@@ -44,20 +71,24 @@ class ShardReader:
             self._scan_shard(shard, names)
 
     # -- opening ---------------------------------------------------------------------------------
+    def _confined(self, path: Path, what: str) -> Path:
+        """``path`` when it resolves inside the directory; a :class:`CheckpointError` before it is opened."""
+        if not is_confined(path, self._roots):
+            try:
+                target = f"resolves to {path.resolve()}"
+            except (OSError, RuntimeError, ValueError):
+                target = "cannot be resolved (a symlink loop?)"
+            raise CheckpointError(
+                f"{what} {path} {target}, outside the checkpoint directory {self.directory}; "
+                "copy the file into the directory instead of linking to it"
+            )
+        return path
+
     def _shards_from_index(self) -> dict[str, set[str] | None]:
         """Shard file -> tensor names the index promises (``None``: no index, take what is there)."""
         index = self.directory / INDEX_NAME
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(
-                    f"{index}: not a valid safetensors index ({err}); it must hold a 'weight_map' object"
-                ) from None
-            shards: dict[str, set[str] | None] = {}
-            for name, shard in weight_map.items():
-                shards.setdefault(shard, set()).add(name)  # type: ignore[union-attr]
-            return shards
+            return _parse_index(self._confined(index, "index"))
         if (self.directory / SINGLE_NAME).is_file():
             return {SINGLE_NAME: None}
         found = sorted(p.name for p in self.directory.glob("*.safetensors"))
@@ -75,7 +106,8 @@ class ShardReader:
         )
 
     def _scan_shard(self, shard: str, promised: set[str] | None) -> None:
-        path = self.directory / shard
+        what = "shard" if promised is None else f"shard {shard!r} listed in {INDEX_NAME}:"
+        path = self._confined(self.directory / shard, what)
         if not path.is_file():
             raise CheckpointError(
                 f"missing shard {path} (listed in {INDEX_NAME}); re-download the checkpoint"
@@ -164,3 +196,33 @@ class ShardReader:
             except (SafetensorError, OSError) as err:
                 raise CheckpointError(f"cannot read from shard {path}: {err}") from None
         return out
+
+
+def _parse_index(index: Path) -> dict[str, set[str]]:
+    """Shard file -> tensor names of a safetensors index; every shard name a plain relative path."""
+    fix = "re-download the checkpoint or re-save it with save_pretrained"
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({err}); {fix}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index}: not a valid safetensors index (it must be a JSON object whose 'weight_map' maps "
+            f"every tensor name to its shard file); {fix}"
+        )
+    shards: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(name, str) or not name or not isinstance(shard, str):
+            raise CheckpointError(
+                f"{index}: weight_map entry {name!r}: {shard!r} is not a tensor name mapped to a shard "
+                f"file name (both non-empty strings); {fix}"
+            )
+        why = unsafe_name(shard)
+        if why is not None:
+            raise CheckpointError(
+                f"{index}: weight_map entry {name!r} names shard {shard!r}, {why}; shards must be files "
+                f"inside the checkpoint directory {index.parent}, named relative to it; {fix}"
+            )
+        shards.setdefault(shard, set()).add(name)
+    return shards

@@ -136,8 +136,13 @@ def _spec_problem(spec: object, taken: set[str]) -> str | None:
     return None if "data" in spec else f"plot {file} skipped: no 'data'"
 
 
-def write_plots(directory: Path, rows: list[dict], extra: list, notes: list[str]) -> list[tuple[Path, str]]:
-    """Standard plots, then the extra specs; returns ``(path, title)`` of every PNG written."""
+def write_plots(
+    directory: Path, rows: list[dict], extra: list, notes: list[str], *, standard: bool = True
+) -> list[tuple[Path, str]]:
+    """Standard plots (unless ``standard`` is false), then the extra specs; returns ``(path, title)`` of
+    every PNG written."""
+    if not standard and not extra:
+        return []
     mpl = _load_matplotlib()
     if mpl is None:
         notes.append(MATPLOTLIB_MISSING)
@@ -146,7 +151,7 @@ def write_plots(directory: Path, rows: list[dict], extra: list, notes: list[str]
     jobs: list[tuple[str, str, Callable[[Any], None]]] = [
         ("reconstruction.png", "Reconstruction error per layer", lambda f: _draw_reconstruction(f, rows)),
         ("size.png", "Parameters per layer", lambda f: _draw_size(f, rows)),
-    ]
+    ] if standard else []
     taken = {file for file, _, _ in jobs}
     for spec in extra:
         problem = _spec_problem(spec, taken)

@@ -213,7 +213,10 @@ def write_step_report(directory: Path, report: dict) -> list[Path]:
     totals = _totals([_sum(rows, k) for k in (*_SIZE_KEYS, "seconds")])
     notes: list[str] = []
     extra = report.get("plots") or []
-    pngs = write_plots(directory, rows, list(extra), notes)
+    changed = not rows or any(r.get("changed", True) for r in rows)
+    if not changed:
+        notes.append("standard plots skipped: the step left every layer unchanged")
+    pngs = write_plots(directory, rows, list(extra), notes, standard=changed)
     out = {
         **safe,
         "plots": [p.name for p, _ in pngs],
@@ -273,5 +276,7 @@ def write_run_report(directory: Path, run: dict) -> list[Path]:
     md += ["## Steps", "", *_step_table(steps, totals)]
     md += ["## Calibration", "", *_yaml_block(safe["calibration"])] if safe.get("calibration") else []
     md += _bullets("Warnings", safe.get("warnings") or [])
+    skipped = [f"`{n}`" for n in safe.get("input_files_skipped") or []]
+    md += _bullets("Input files not copied (list them in `copy_extra` to copy them)", skipped)
     md += ["## Recipe", "", *_yaml_block(safe.get("recipe") or {})]
     return _write_pair(directory, {**safe, "totals": totals}, md)
