@@ -22,8 +22,10 @@ from pathlib import Path
 
 from moecompress.adapters import Adapter, adapter_class
 from moecompress.errors import CheckpointError
+from moecompress.io.format import compressed_keys, stock_keys
 from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
 from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
+from moecompress.io.verify import layer_problem, read_block
 from moecompress.ir import MoELayer
 
 log = logging.getLogger(__name__)
@@ -188,10 +190,13 @@ def open_checkpoint(
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object")
     cls = adapter_class(raw.get("model_type"))
+    qc = raw.get("quantization_config")
+    layouts, problems = read_block(raw.get("moecompress"), quant_method=qc.get("quant_method") if isinstance(qc, dict) else None)
+    if layouts is None:  # unreadable; other problems (loading through transformers) are the loaders'
+        raise problems[0].error(cfg_path)
     config = _load_config(path)
     reader = ShardReader(path)
     adapter = cls(config)
-    layouts = {int(i): d for i, d in ((raw.get("moecompress") or {}).get("layers") or {}).items() if d}
     moe_keys = (
         {i: check_moe_layer(adapter, i, layouts.get(i), reader) for i in adapter.moe_layer_indices}
         if validate
@@ -206,15 +211,10 @@ def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> 
     """Validate MoE layer ``i`` from headers (stock names, or the moecompress format when described)."""
     if desc is None:
         return adapter.check_layer(i, reader.keys, reader.shape)
-    from moecompress.io.format import compressed_keys, stock_keys
-
-    keys = [*stock_keys(adapter, i, desc), *compressed_keys(adapter, i, desc)]
-    missing = [k for k in keys if k not in reader]
-    if missing:
-        raise CheckpointError(
-            f"{adapter.model_type} layer {i}: missing tensor {missing[0]!r} (moecompress format)"
-        )
-    return keys
+    problem = layer_problem(adapter, i, desc, reader)
+    if problem is not None:
+        raise problem.error(f"{adapter.model_type} (moecompress format)")
+    return [*stock_keys(adapter, i, desc), *compressed_keys(adapter, i, desc)]
 
 
 def provenance_block(block: dict | None, protected: dict[str, list[int]]) -> dict | None:

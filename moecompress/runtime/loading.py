@@ -1,11 +1,15 @@
 """``moecompress.load``: a transformers model from any checkpoint moecompress writes.
 
 Stock checkpoints load with plain transformers; compressed ones through the ``moecompress``
-quantizer that importing this package registers with transformers.
+quantizer that importing this package registers with transformers. Either way the checkpoint is
+verified first (:func:`check_output`: ``config.json`` against the shard headers, no weight read), and
+an MoE tensor that transformers still reports missing after loading is an error, never a randomly
+initialised expert.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -22,6 +26,53 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     directory = resolve_checkpoint_dir(path)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} has no config.json; pass a checkpoint directory")
+    adapter = check_output(directory)
     kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype}
-    model = AutoModelForCausalLM.from_pretrained(str(directory), trust_remote_code=False, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(directory), trust_remote_code=False, output_loading_info=True, **kwargs
+    )
+    if adapter is not None:
+        refuse_missing(adapter, info.get("missing_keys", ()), directory)
     return model.to(device).eval()
+
+
+def check_output(directory: Path):
+    """Raise :class:`CheckpointError` (the first problem :func:`moecompress.io.verify.verify_checkpoint`
+    finds) unless ``directory`` loads as its ``config.json`` says; returns the checkpoint's adapter, or
+    ``None`` for a model type moecompress has no adapter for and did not write (left to transformers)."""
+    from moecompress.adapters import ADAPTERS
+    from moecompress.io.checkpoint import open_checkpoint
+    from moecompress.io.verify import read_block, verify_layers
+
+    cfg_path = directory / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{cfg_path}: not readable JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object")
+    qc = raw.get("quantization_config")
+    quant_method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if raw.get("model_type") not in ADAPTERS and "moecompress" not in raw and quant_method != "moecompress":
+        return None
+    descs, problems = read_block(raw.get("moecompress"), quant_method=quant_method)
+    if descs is None:  # the block itself cannot be read
+        raise problems[0].error(directory)
+    ckpt = open_checkpoint(directory, validate=False)
+    problems += verify_layers(ckpt.adapter, descs, ckpt.reader)
+    if problems:
+        raise problems[0].error(directory)
+    return ckpt.adapter
+
+
+def refuse_missing(adapter, missing, directory: Path) -> None:
+    """Raise unless every tensor of every MoE block (router, experts, shared expert) was loaded: what
+    transformers reports missing it initialises randomly."""
+    blocks = tuple(f"{adapter.layer_prefix(i)}{adapter.module_attr}." for i in adapter.moe_layer_indices)
+    ours = sorted(k for k in missing if k.startswith(blocks))
+    if ours:
+        more = f" (and {len(ours) - 1} more)" if len(ours) > 1 else ""
+        raise CheckpointError(
+            f"{directory}: transformers found no stored value for {ours[0]!r}{more} and would initialise it "
+            "randomly; re-download the checkpoint or re-run the recipe that wrote it"
+        )

@@ -21,60 +21,33 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION, PROJ, decode_bank
-from moecompress.layouts import LAYOUTS
+from moecompress.io.verify import module_tensors, verify_checkpoint
 from moecompress.reference import expert_forward, experts_forward
 
 METHOD = "moecompress"
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
 
 class CompressedExperts(nn.Module):
     """Routed experts stored in a moecompress layout; called like transformers' experts modules:
-    ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``."""
+    ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
 
-    def __init__(self, desc: dict[str, Any], hidden_size: int) -> None:
+    Its parameters (floating tensors) and buffers (integer ones) are exactly the tensors
+    :func:`moecompress.io.verify.module_tensors` declares for ``desc``: the names, shapes and dtypes
+    the checker compared with the shard headers before any weight was loaded."""
+
+    def __init__(self, desc: dict[str, Any], hidden_size: int, field: str = "moecompress.layers") -> None:
         super().__init__()
         self.desc = desc
-        e = int(desc["num_experts"])
         for name in PROJ:
-            meta = desc["experts"][name]
-            if meta.get("kind") not in LAYOUTS:
-                raise CheckpointError(f"unknown layout kind {meta.get('kind')!r}; known: {sorted(LAYOUTS)}")
-            sub = nn.Module()
-            for key, shape in _tensor_shapes(meta).items():
-                dtype = _DTYPES.get(
-                    meta.get("dtypes", {}).get(key, meta.get("dtype", "float32")), torch.float32
-                )
-                t = torch.empty(shape, dtype=dtype, device="meta")
-                if dtype.is_floating_point:
-                    sub.register_parameter(key, nn.Parameter(t, requires_grad=False))
-                else:
-                    sub.register_buffer(key, t)
-            self.add_module(name, sub)
-        width = int(desc["experts"]["gate"]["shape"][1])
-        for b in desc.get("biases", []):
-            n = hidden_size if b == "down" else width
-            self.register_parameter(
-                f"{b}_bias", nn.Parameter(torch.empty(e, n, device="meta"), requires_grad=False)
-            )
-        if desc.get("widths"):
-            self.register_buffer("widths", torch.empty(e, dtype=torch.int32, device="meta"))
-        if desc.get("rotation"):
-            dtype = _DTYPES.get(str(desc["rotation"]), torch.float32)
-            t = torch.empty(hidden_size, hidden_size, dtype=dtype, device="meta")
-            self.register_parameter("rotation", nn.Parameter(t, requires_grad=False))
-        if desc.get("expert_map"):
-            n_logical = int(desc.get("num_logical_experts", e))
-            self.register_buffer("expert_map", torch.empty(n_logical, dtype=torch.int64, device="meta"))
+            self.add_module(name, nn.Module())
+        for local, d in module_tensors(desc, hidden_size, field).items():
+            owner, _, key = local.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            t = torch.empty(d.shape, dtype=d.dtype or torch.float32, device="meta")
+            if t.dtype.is_floating_point:
+                module.register_parameter(key, nn.Parameter(t, requires_grad=False))
+            else:
+                module.register_buffer(key, t)
 
     def bank(self):
         tensors = {f"x.{k}": v for k, v in self.state_dict(keep_vars=True).items()}
@@ -96,21 +69,17 @@ class CompressedShared(CompressedExperts):
         return expert_forward(bank, 0, x).reshape(hidden_states.shape).to(hidden_states.dtype)
 
 
-def _tensor_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:
-    shapes = meta.get("tensor_shapes")
-    if shapes:
-        return {k: list(v) for k, v in shapes.items()}
-    if meta.get("kind") == "dense":
-        return {"weight": list(meta["shape"])}
-    raise CheckpointError(f"layout {meta.get('kind')!r} description lacks tensor_shapes")
-
-
 class MoecompressConfig(QuantizationConfigMixin):
     """``quantization_config`` of moecompress-format checkpoints (layouts live in ``config.moecompress``)."""
 
     def __init__(self, format: int = FORMAT_VERSION, **kwargs: Any) -> None:
         self.quant_method = METHOD
-        self.format = int(format)
+        if not isinstance(format, int) or isinstance(format, bool):
+            raise CheckpointError(
+                f"config.json: quantization_config.format is {format!r}, not an integer; "
+                "the config.json of this output was edited or damaged: restore it or re-run the recipe"
+            )
+        self.format = format
         if self.format > FORMAT_VERSION:
             raise CheckpointError(
                 f"checkpoint format {self.format} is newer than this moecompress understands ({FORMAT_VERSION}); "
@@ -129,18 +98,29 @@ class MoecompressQuantizer(HfQuantizer):
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def _process_model_before_weight_loading(self, model, **kwargs: Any):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
+        """Verify the checkpoint (``config.json`` against the shard headers, :mod:`moecompress.io.verify`),
+        then swap the described layers' modules. ``checkpoint_files`` (the shard paths transformers
+        resolved, local or in the Hub cache) locate the headers; without them (a ``state_dict`` was
+        passed) only the descriptions are checked."""
         from moecompress.adapters import adapter_class
 
         config = model.config
-        block = getattr(config, "moecompress", None) or {}
         adapter = adapter_class(config.model_type)(config)
-        for i, desc in (block.get("layers") or {}).items():
-            layer = model.model.layers[int(i)]
-            moe = getattr(layer, adapter.module_attr)
-            moe.experts = CompressedExperts(desc, int(config.hidden_size))
+        block = getattr(config, "moecompress", None)
+        reader, where = _headers(checkpoint_files, getattr(config, "_name_or_path", "") or "config.json")
+        problems = verify_checkpoint(adapter, block, reader, quant_method=METHOD)
+        if problems:
+            raise problems[0].error(where)
+        hidden = adapter.hidden_size
+        for i, desc in ((block or {}).get("layers") or {}).items():
+            if not desc:
+                continue
+            moe = getattr(model.model.layers[int(i)], adapter.module_attr)
+            moe.experts = CompressedExperts(desc, hidden, f"moecompress.layers.{i}")
             if "shared" in desc:
-                setattr(moe, adapter.shared_name, CompressedShared(desc["shared"], int(config.hidden_size)))
+                shared = CompressedShared(desc["shared"], hidden, f"moecompress.layers.{i}.shared")
+                setattr(moe, adapter.shared_name, shared)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
@@ -156,6 +136,19 @@ class MoecompressQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _headers(checkpoint_files, name: str):
+    """A :class:`ShardReader` over the directory of ``checkpoint_files`` (``None`` without files), and
+    the path to name in messages."""
+    from pathlib import Path
+
+    from moecompress.io.reader import ShardReader
+
+    files = [Path(f) for f in checkpoint_files or [] if str(f).endswith(".safetensors")]
+    if not files:
+        return None, name
+    return ShardReader(files[0].parent), files[0].parent
 
 
 def register() -> None:

@@ -4,7 +4,9 @@ Per MoE layer: layouts, parameters and bytes, router experts and physical expert
 that would otherwise surface as crashes in transformers or a serving engine, each reported with the
 layer and the fix instead of stopping at the first:
 
-- every expert tensor present with the shape ``config.json`` implies (stock names or our format);
+- every expert tensor present with the shape ``config.json`` implies (stock names), or with the names,
+  shapes and dtypes its description declares (our format): the checker the loaders run,
+  :mod:`moecompress.io.verify`, here in the mode that collects every problem;
 - top-k no larger than the experts a layer keeps (and reachable through group-limited routing);
 - consistent widths (gate/up/down agree, live widths within the allocated width) and, with
   ``align``, widths divisible by it (kernels, tensor parallelism);
@@ -15,13 +17,16 @@ layer and the fix instead of stopping at the first:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moecompress.errors import MoecompressError
-from moecompress.io.checkpoint import check_moe_layer, open_checkpoint
+from moecompress.io.checkpoint import open_checkpoint
+from moecompress.io.hub import resolve_checkpoint_dir
+from moecompress.io.verify import read_block, verify_layers
 
 
 def _light_fetch(reader, names) -> dict[str, torch.Tensor]:
@@ -76,32 +81,36 @@ def _layer_facts(layer, align: int | None, problems: list) -> dict[str, Any]:
 
 def inspect_checkpoint(path: str | Path, *, align: int | None = None, load: bool = False) -> dict[str, Any]:
     """Inspect ``path``; never raises for problems *inside* the checkpoint (they are reported)."""
-    ckpt = open_checkpoint(path, validate=False)
+    directory = resolve_checkpoint_dir(path)
+    raw = _raw_config(directory)
+    qc = raw.get("quantization_config") if raw is not None else None
+    quant_method = qc.get("quant_method") if isinstance(qc, dict) else None
+    descs, block_problems = read_block(raw.get("moecompress") if raw else None, quant_method=quant_method)
+    if descs is None:  # the block itself cannot be read: nothing below it can
+        return _unreadable(directory, raw, block_problems)
+    ckpt = open_checkpoint(directory, validate=False)
     adapter, reader = ckpt.adapter, ckpt.reader
-    problems: list[dict[str, Any]] = []
+    problems = [p.as_dict() for p in block_problems + verify_layers(adapter, descs, reader)]
     layers: list[dict[str, Any]] = []
     for i in adapter.moe_layer_indices:
+        if any(p["layer"] == i for p in problems):
+            continue
         try:
-            ckpt._moe_keys[i] = check_moe_layer(adapter, i, ckpt.layouts.get(i), reader)
             layer = ckpt.read_layer_with(i, lambda names: _light_fetch(reader, names))
         except MoecompressError as err:
             msg = str(err)
             if "top_k" in msg:
                 fix = "keep at least num_experts_per_tok experts per layer (or lower num_experts_per_tok)"
-            elif "missing tensor" in msg:
-                fix = "restore the missing tensor (re-download or re-run the recipe that wrote it)"
-            elif "shape" in msg:
-                fix = "every expert must have the width config.json states; ragged widths need the moecompress format"
             else:
                 fix = "see the message"
             problems.append(_problem(i, msg, fix))
             continue
         layers.append(_layer_facts(layer, align, problems))
-    quantized = (ckpt.raw_config.get("quantization_config") or {}).get("quant_method")
-    stock_ok = not problems and not ckpt.layouts and quantized is None
+    problems.sort(key=lambda p: -1 if p["layer"] is None else p["layer"])
+    stock_ok = not problems and not ckpt.layouts and quant_method is None
     why = "stock names and shapes in every MoE layer" if stock_ok else (
         "layers in the moecompress format: " + ", ".join(map(str, sorted(ckpt.layouts))) if ckpt.layouts
-        else f"quantization_config {quantized!r}" if quantized else "see problems")  # fmt: skip
+        else f"quantization_config {quant_method!r}" if quant_method else "see problems")  # fmt: skip
     report: dict[str, Any] = {
         "path": str(ckpt.path),
         "model_type": ckpt.model_type,
@@ -120,6 +129,31 @@ def inspect_checkpoint(path: str | Path, *, align: int | None = None, load: bool
         report["load_check"] = _load_check(ckpt.path)
     report["ok"] = not problems and report.get("load_check", {}).get("ok", True)
     return report
+
+
+def _raw_config(directory: Path) -> dict | None:
+    """``config.json`` as JSON, or ``None`` where :func:`open_checkpoint` will say what is wrong with it."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _unreadable(directory: Path, raw: dict | None, problems: list) -> dict[str, Any]:
+    """The report of a checkpoint whose ``moecompress`` block cannot be read: its problems only."""
+    return {
+        "path": str(directory),
+        "model_type": (raw or {}).get("model_type"),
+        "moe_layers": [],
+        "layers": [],
+        "params": 0,
+        "bytes": 0,
+        "problems": [p.as_dict() for p in problems],
+        "stock_transformers": {"loads": False, "why": "see problems"},
+        "moecompress_quantizer": {"loads": False, "why": "see problems"},
+        "ok": False,
+    }
 
 
 def _load_check(path: Path) -> dict[str, Any]:
@@ -162,6 +196,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"load check: {'ok' if report['load_check']['ok'] else 'FAILED'} ({report['load_check']['why']})"
         )
     for p in report["problems"]:
-        lines.append(f"PROBLEM layer {p['layer']}: {p['problem']} -> fix: {p['fix']}")
+        at = "" if p["layer"] is None else f" layer {p['layer']}"
+        lines.append(f"PROBLEM{at}: {p['problem']} -> fix: {p['fix']}")
     lines.append("OK" if report["ok"] else f"{len(report['problems'])} problem(s)")
     return "\n".join(lines)
