@@ -22,7 +22,7 @@ from ragged_forward import layer_args, timed  # this folder's sibling script
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.tucker import Tucker
-from moecompress.passes.tdmoe import tucker_ranks
+from moecompress.methods.tucker import tucker_ranks
 
 
 def tucker_layout(e: int, out: int, inp: int, ratio: float, gen: torch.Generator) -> Tucker:

@@ -245,3 +245,14 @@ def test_only_model_files_are_copied_unless_asked(tmp_path, model):
     assert (res.output_dir / "notes.txt").read_text() == "mine" and "notes.txt" not in res.report["input_files_skipped"]
     with pytest.raises(RecipeError, match=r"^recipe field 'copy_extra': .*no_such"):
         mc.apply({**_rec(model, tmp_path / "out3"), "copy_extra": ["no_such.txt"]}, dry_run=True, progress=False)
+
+
+def test_statistics_being_computed_by_another_run_are_not_computed_twice(tmp_path, model):
+    entry = mc.apply(_rec(model, tmp_path / "a"), progress=False).cache_entry
+    import shutil
+
+    shutil.rmtree(entry)  # gone again: the next run must compute it, but another run is doing so
+    with RunLock(entry, "x"), pytest.raises(LockedError, match=rf"statistics cache entry {entry} is being written"):
+        mc.apply(_rec(model, tmp_path / "b"), progress=False)
+    assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()
+    assert mc.apply(_rec(model, tmp_path / "b"), progress=False).cache_entry == entry

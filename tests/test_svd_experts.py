@@ -16,9 +16,10 @@ from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts import LAYOUTS
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.lowrank import LowRank
+from moecompress.methods.svd import factorize, rank_split
 from moecompress.methods.whitening import Whitener, chol
 from moecompress.passes import BUILTIN_PASSES
-from moecompress.passes.svd_experts import SvdExpertsConfig, factorize, rank_split, svd_experts
+from moecompress.passes.svd_experts import SvdExpertsConfig, svd_experts
 from moecompress.reference import moe_forward
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}

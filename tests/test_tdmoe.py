@@ -16,8 +16,8 @@ from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.tucker import Tucker
+from moecompress.methods.tucker import decompose, tucker_ranks
 from moecompress.methods.whitening import Whitener, chol
-from moecompress.passes.tdmoe import decompose, tucker_ranks
 from moecompress.reference import moe_forward
 
 CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}

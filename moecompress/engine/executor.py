@@ -253,7 +253,7 @@ def apply(
         except SafetensorError as err:
             raise WriteError(f"cannot write the output ({err}); {_leftover(rec)}") from None
         except MoecompressError as err:
-            raise type(err)(f"{err}; {_leftover(rec, keep=isinstance(err, CacheError))}") from None
+            raise _with_note(err, _leftover(rec, keep=isinstance(err, CacheError))) from None
 
 
 def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, progress: bool):
@@ -270,6 +270,16 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal)
     run.loop()
     return RunResult(Path(rec.output), run.finish(calib, t0, plan), cache_entry=entry)
+
+
+def _with_note(err: MoecompressError, note: str) -> MoecompressError:
+    """``err`` with ``note`` appended, as the same type where its constructor takes one message."""
+    try:
+        return type(err)(f"{err}; {note}")
+    except TypeError:
+        out = MoecompressError(f"{err}; {note}")
+        out.exit_code = err.exit_code
+        return out
 
 
 def _leftover(rec: Recipe, keep: bool = True) -> str:
