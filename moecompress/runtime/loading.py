@@ -42,7 +42,7 @@ def check_output(directory: Path):
     ``None`` for a model type moecompress has no adapter for and did not write (left to transformers)."""
     from moecompress.adapters import ADAPTERS
     from moecompress.io.checkpoint import open_checkpoint
-    from moecompress.io.verify import read_block, verify_layers
+    from moecompress.io.verify import verify_checkpoint
 
     cfg_path = directory / "config.json"
     try:
@@ -55,11 +55,8 @@ def check_output(directory: Path):
     quant_method = qc.get("quant_method") if isinstance(qc, dict) else None
     if raw.get("model_type") not in ADAPTERS and "moecompress" not in raw and quant_method != "moecompress":
         return None
-    descs, problems = read_block(raw.get("moecompress"), quant_method=quant_method)
-    if descs is None:  # the block itself cannot be read
-        raise problems[0].error(directory)
-    ckpt = open_checkpoint(directory, validate=False)
-    problems += verify_layers(ckpt.adapter, descs, ckpt.reader)
+    ckpt = open_checkpoint(directory, validate=False)  # refuses an unreadable moecompress block itself
+    problems = verify_checkpoint(ckpt.adapter, raw.get("moecompress"), ckpt.reader, quant_method=quant_method)
     if problems:
         raise problems[0].error(directory)
     return ckpt.adapter
