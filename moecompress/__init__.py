@@ -23,6 +23,7 @@ from moecompress.errors import (
     LayoutError,
     MoecompressError,
     OutputExistsError,
+    RoutingError,
 )
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
 from moecompress.ir import Act, ExpertBank, Gating, GroupScore, MoELayer, RouterSpec
@@ -59,11 +60,20 @@ def apply(
     )  # fmt: skip
 
 
-def load(path, *, dtype=None, device="cpu"):
-    """Load a checkpoint written by moecompress (stock or compressed) as a transformers model."""
+def load(path, *, dtype=None, device="cpu", routing=None):
+    """Load a checkpoint written by moecompress (stock or compressed) as a transformers model;
+    ``routing`` switches or changes its routing policies (``docs/routing.md``)."""
     from moecompress.runtime.loading import load as _load
 
-    return _load(path, dtype=dtype, device=device)
+    return _load(path, dtype=dtype, device=device, routing=routing)
+
+
+def set_routing(model, routing):
+    """Switch or change the routing policies of a loaded model (``"off"``, ``"stored"`` or knobs such as
+    ``{"sere": {"select_top": 1}}``); see :func:`moecompress.runtime.routing.set_routing`."""
+    from moecompress.runtime.routing import set_routing as _set
+
+    return _set(model, routing)
 
 
 def evaluate(model, *, against=None, texts=None, max_tokens=8192, seq_len=256, **kwargs):
@@ -99,6 +109,7 @@ __all__ = [
     "PassSpec",
     "Recipe",
     "RouterSpec",
+    "RoutingError",
     "RunResult",
     "__version__",
     "apply",
@@ -110,4 +121,5 @@ __all__ = [
     "open_checkpoint",
     "rewrite_checkpoint",
     "route",
+    "set_routing",
 ]

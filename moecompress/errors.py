@@ -54,6 +54,10 @@ class MethodError(MoecompressError):
     pure maths of :mod:`moecompress.methods`; the engine adds the step and layer to the message."""
 
 
+class RoutingError(MoecompressError):
+    """A routing policy asked of a loaded model is malformed or cannot apply (no stored similarity)."""
+
+
 class MissingExtraError(MoecompressError):
     """A step or command needs an optional dependency that is not installed; the message names the
     ``pip install "moecompress[extra]"`` that brings it."""

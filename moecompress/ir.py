@@ -12,8 +12,10 @@ forward only ever see this form, so compute code has no architecture branches. C
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -185,6 +187,9 @@ class MoELayer:
     - ``expert_map`` ``[E]`` maps logical (router) expert ids to physical experts of the bank (after
       merging); ``None`` means identity.
     - ``protected`` holds logical expert ids that no pass may modify (super experts).
+    - ``routing`` is the runtime routing policy the layer carries (``{"capacity_drop": {...},
+      "sere": {...}}``, knobs as ``docs/routing.md`` lists them; ``None``: plain top-k), applied when the
+      model runs, never to the weights; ``routing_similarity`` ``[E, E]`` is SERE's expert similarity.
     """
 
     index: int
@@ -197,9 +202,17 @@ class MoELayer:
     shared_gate: torch.Tensor | None = None
     expert_map: torch.Tensor | None = None
     protected: frozenset[int] = frozenset()
+    routing: Mapping[str, Mapping[str, Any]] | None = None
+    routing_similarity: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         e, h = self.router.num_experts, self.experts.hidden_size
+        s = self.routing_similarity
+        if s is not None and tuple(s.shape) != (e, e):
+            raise LayoutError(
+                f"layer {self.index}: the routing policy's expert similarity is {tuple(s.shape)} but the router "
+                f"has {e} experts; put routing-policy steps (sere) after the steps that remove or merge experts"
+            )
         if tuple(self.router_weight.shape) != (e, h):
             raise LayoutError(
                 f"layer {self.index}: router weight {tuple(self.router_weight.shape)} != {(e, h)}"

@@ -192,11 +192,15 @@ def experts_forward(
 ) -> torch.Tensor:
     """Weighted sum of the routed experts, fp32 ``[T, H]``: ``sum_k weights[t, k] * E_{ids[t, k]}(x_t)``.
 
-    ``ids`` are logical expert ids; ``expert_map`` maps them to physical experts of ``bank``. Written with
+    ``ids`` are logical expert ids (an id past the last expert is a dropped slot and contributes nothing);
+    ``expert_map`` maps them to physical experts of ``bank``. Written with
     the layouts' ``encode``/``partial``/``decode`` so factorised layouts do their shared work once per
     token: the gate/up input transform before the loop, the down output transform after the weighted
     sum (``decode`` is linear)."""
-    phys = ids if expert_map is None else expert_map.to(ids.device)[ids]
+    n_logical = bank.num_experts if expert_map is None else expert_map.numel()
+    dropped = ids >= n_logical  # a routing policy's dropped slot (transformers' convention: id == E)
+    phys = ids if expert_map is None else expert_map.to(ids.device)[ids.clamp(max=n_logical - 1)]
+    phys = phys.masked_fill(dropped, -1)
     xin = bank_input(bank, x)
     ctx = {False: (bank.gate.encode(xin), bank.up.encode(xin))}
     if bank.unrotated:
@@ -204,6 +208,8 @@ def experts_forward(
     acc: dict[str, torch.Tensor] = {}
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in torch.unique(phys).tolist():
+        if p < 0:
+            continue
         tok, slot = torch.where(phys == p)
         cut = _cut(bank, p)
         ctx_g, ctx_u = ctx[p in bank.unrotated]

@@ -40,6 +40,9 @@ SAMPLES = {
     "rtn": {"bits": 4},
     "namex": {"ratio": 0.25, "refine_steps": 2},
     "merge_experts": {"ratio": 0.25, "router": "collapse"},
+    "capacity_drop": {"gamma": 1.0},
+    "sere": {"select_top": 1, "threshold": 0.1},
+    "routing_report": {"batch_sizes": [1, 4]},
 }
 MODELS = ("qwen3_moe", "deepseek_v3", "gpt_oss")  # plain; shared expert + groups; biases, fused disk form
 

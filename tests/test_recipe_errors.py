@@ -195,6 +195,13 @@ CASES: list[tuple[str, Any, list[str], list[str]]] = [
     # A newline inside a value or key must not split the message (it is shown with repr()).
     ("model_path_with_newline", _set("model", "{tmp}/no\nsuch"), [], ["'model'"]),
     ("set_key_with_newline", None, ["--set", "steps.1\n.top=3"], ["steps"]),
+    # No path can hold a NUL; each path field names itself instead of a ValueError from the OS.
+    ("model_path_with_nul", _set("model", "{tmp}/mo\x00del"), [], ["'model'", "NUL"]),
+    ("output_path_with_nul", _set("output", "{tmp}/o\x00ut"), [], ["'output'", "NUL"]),
+    ("cache_dir_with_nul", _set("calibration.cache_dir", "\x00"), [], ["cache_dir", "NUL"]),
+    ("source_file_with_nul", _set("calibration.source", "file:a\x00b"), [], ["source", "NUL"]),
+    ("copy_extra_with_nul", _set("copy_extra", ["a\x00b"]), [], ["copy_extra", "NUL"]),
+    ("set_cache_dir_nul", None, ["--set", "calibration.cache_dir=a\x00b"], ["cache_dir", "NUL"]),
 ]
 
 

@@ -44,6 +44,8 @@ class Adapter(ABC):
     ``width_key`` alone (false where other modules' sizes derive from it)."""
     module_attr: ClassVar[str] = "mlp"
     """attribute of transformers' decoder layer that holds the MoE block (in memory)."""
+    router_module: ClassVar[str] = "gate"
+    """attribute of that block holding transformers' router (in memory)."""
     module_returns_tuple: ClassVar[bool] = False
     """whether that block returns ``(hidden_states, router_scores)`` instead of a tensor."""
 

@@ -20,6 +20,7 @@ from moecompress.layouts.dense import Dense
 class GptOssAdapter(Adapter):
     model_type = "gpt_oss"
     count_key = "num_local_experts"
+    router_module = "router"
     width_key = "intermediate_size"
     module_returns_tuple = True
 

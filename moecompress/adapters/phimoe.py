@@ -17,6 +17,7 @@ class PhimoeAdapter(PerExpertAdapter):
     disk_block = "block_sparse_moe"
     proj = ("w1", "w3", "w2")
     fused_router = "router"
+    router_module = "router"
 
     def router_spec(self, num_experts: int | None = None) -> RouterSpec:
         if self.num_experts < 2:

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
-from moecompress.io.format import config_with_layers, encode_layer, layer_shape
+from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
 
@@ -75,6 +75,7 @@ def rewrite_checkpoint(
     descs: dict[int, dict | None] = {}
     shapes: dict[int, list[int]] = {}
     protected: dict[str, list[int]] = {}
+    routing: dict[str, dict] = {}
     with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
 
         def on_moe(idx: int) -> None:
@@ -82,12 +83,15 @@ def rewrite_checkpoint(
             if fn is not None:
                 layer = fn(layer)
             if fused and idx not in ckpt.layouts:
-                tensors, descs[idx] = ckpt.adapter.layer_tensors(layer, fused=True), None
+                tensors = {**ckpt.adapter.layer_tensors(layer, fused=True), **encode_routing(ckpt.adapter, layer)}
+                descs[idx] = None
             else:
                 tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
             shapes[idx] = layer_shape(layer)
             if layer.protected:
                 protected[str(idx)] = sorted(layer.protected)
+            if layer.routing:
+                routing[str(idx)] = {k: dict(v) for k, v in layer.routing.items()}
             writer.add_many(tensors)
 
         stream_layers(ckpt, [writer], on_moe, progress=progress)
@@ -98,7 +102,7 @@ def rewrite_checkpoint(
             descs,
             shapes,
             adapter=ckpt.adapter,
-            provenance=provenance_block(ckpt.raw_config.get("moecompress"), protected),
+            provenance=provenance_block(ckpt.raw_config.get("moecompress"), protected, routing),
         )
         writer.write_json("config.json", cfg)
         return writer.commit()

@@ -34,6 +34,13 @@ from moecompress.errors import RecipeError
 from moecompress.passes import BUILTIN_PASSES
 
 
+def _path_text(value: str | None) -> str | None:
+    """A path field: no operating system takes a NUL character in a path, so refuse it here, by name."""
+    if value is not None and "\x00" in value:
+        raise ValueError("contains a NUL character (\\x00), which no path can hold; remove it")
+    return value
+
+
 class CalibrationConfig(BaseModel):
     """Calibration data and how statistics are gathered."""
 
@@ -57,6 +64,11 @@ class CalibrationConfig(BaseModel):
     memory_limit: int | str | None = Field(
         None, description="refuse a calibration estimated to need more memory (default: what is available)"
     )
+
+    @field_validator("source", "cache_dir")
+    @classmethod
+    def _cal_paths(cls, value: str | None) -> str | None:
+        return _path_text(value)
 
     @field_validator("memory_limit")
     @classmethod
@@ -118,6 +130,13 @@ class _RecipeModel(BaseModel):
         default_factory=list, description="input files to copy besides the tokenizer, configs and license files"
     )
     steps: list[Any] = Field(min_length=1)
+
+    @field_validator("model", "output", "copy_extra")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        for text in value if isinstance(value, list) else [value]:
+            _path_text(text)
+        return value
 
     @field_validator("max_shard_size")
     @classmethod

@@ -81,6 +81,7 @@ class RecipeRun:
         self.descs: dict[int, dict[int, dict | None]] = {n: {} for n in self.writers}
         self.shapes: dict[int, dict[int, list[int]]] = {n: {} for n in self.writers}
         self.protected: dict[int, dict[str, list[int]]] = {n: {} for n in self.writers}
+        self.routing: dict[int, dict[str, dict]] = {n: {} for n in self.writers}
         if journal is not None:
             self._restore(journal)
 
@@ -93,6 +94,7 @@ class RecipeRun:
         self.descs = {int(n): {int(i): d for i, d in v.items()} for n, v in j["descs"].items()}
         self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
         self.protected = {int(n): v for n, v in j["protected"].items()}
+        self.routing = {int(n): v for n, v in j.get("routing", {}).items()} or {n: {} for n in self.writers}
 
     def save_journal(self, done_group: int) -> None:
         write_json_atomic(
@@ -106,6 +108,7 @@ class RecipeRun:
                 "descs": {str(n): {str(i): d for i, d in v.items()} for n, v in self.descs.items()},
                 "shapes": {str(n): {str(i): d for i, d in v.items()} for n, v in self.shapes.items()},
                 "protected": {str(n): v for n, v in self.protected.items()},
+                "routing": {str(n): v for n, v in self.routing.items()},
             },
         )
 
@@ -150,6 +153,8 @@ class RecipeRun:
                 self.shapes[step.number][idx] = layer_shape(new)
                 if new.protected:
                     self.protected[step.number][str(idx)] = sorted(new.protected)
+                if new.routing:
+                    self.routing[step.number][str(idx)] = {k: dict(v) for k, v in new.routing.items()}
                 self.writers[step.number].add_many(tensors)
                 del tensors
             self.seconds[step.number] += secs
@@ -176,6 +181,8 @@ class RecipeRun:
             }
             if self.protected[n]:
                 provenance["protected"] = self.protected[n]
+            if self.routing[n]:
+                provenance["routing"] = self.routing[n]
             cfg = config_with_layers(
                 self.ckpt.raw_config, self.descs[n], self.shapes[n], adapter=self.ckpt.adapter,
                 provenance=provenance,

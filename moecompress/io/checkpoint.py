@@ -25,6 +25,7 @@ from moecompress.errors import CheckpointError
 from moecompress.io.format import compressed_keys, stock_keys
 from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
 from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
+from moecompress.io.routing import check_routing, policy_dict, read_routing, routing_prefix, routing_tensors
 from moecompress.io.verify import layer_problem, read_block
 from moecompress.ir import MoELayer
 
@@ -86,17 +87,33 @@ class Checkpoint:
         block = self.raw_config.get("moecompress") or {}
         return {int(i): frozenset(int(e) for e in ids) for i, ids in (block.get("protected") or {}).items()}
 
+    @property
+    def routing(self) -> dict[int, dict]:
+        """Runtime routing policies recorded by an earlier run, per layer (``docs/routing.md``)."""
+        try:
+            return {i: policy_dict(p) for i, p in read_routing(self.raw_config.get("moecompress")).items()}
+        except ValueError as err:
+            raise CheckpointError(f"{self.path / 'config.json'}: {err}") from None
+
     def read_layer_with(self, i: int, fetch) -> MoELayer:
         """MoE layer ``i`` with tensors from ``fetch(names) -> {name: tensor}`` (e.g. meta tensors)."""
         desc = self.layouts.get(i)
+        keys = [k for k in self.reader.keys if not k.startswith(f"{routing_prefix(self.adapter, i)}.")]
         if desc is not None:
             from moecompress.io.format import read_compressed_layer
 
             layer = read_compressed_layer(self.adapter, i, desc, fetch)
         else:
-            layer = self.adapter.read_layer(i, self.reader.keys, fetch)
-        protected = self.protected.get(i)
-        return layer if not protected else layer.replace(protected=protected)
+            layer = self.adapter.read_layer(i, keys, fetch)
+        changes: dict = {}
+        if self.protected.get(i):
+            changes["protected"] = self.protected[i]
+        policy = self.routing.get(i)
+        if policy:
+            names = list(routing_tensors(self.adapter, i, policy))
+            changes["routing"] = policy
+            changes["routing_similarity"] = fetch(names)[names[0]] if names else None
+        return layer.replace(**changes) if changes else layer
 
     def moe_keys(self, i: int) -> list[str]:
         """On-disk tensor names owned by the MoE block of layer ``i``."""
@@ -197,11 +214,18 @@ def open_checkpoint(
     config = _load_config(path)
     reader = ShardReader(path)
     adapter = cls(config)
-    moe_keys = (
-        {i: check_moe_layer(adapter, i, layouts.get(i), reader) for i in adapter.moe_layer_indices}
-        if validate
-        else {}
-    )
+    try:
+        routing = read_routing(raw.get("moecompress"))
+    except ValueError as err:
+        raise CheckpointError(f"{cfg_path}: {err}") from None
+    moe_keys = {}
+    if validate:
+        why = check_routing(adapter, routing, reader)
+        if why is not None:
+            raise CheckpointError(f"{path}: {why}; restore the output or re-run the recipe that wrote it")
+        for i in adapter.moe_layer_indices:
+            own = routing_tensors(adapter, i, routing.get(i))
+            moe_keys[i] = [*check_moe_layer(adapter, i, layouts.get(i), reader), *own]
     return Checkpoint(
         path=path, raw_config=raw, config=config, adapter=adapter, reader=reader, _moe_keys=moe_keys
     )
@@ -210,20 +234,26 @@ def open_checkpoint(
 def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> list[str]:
     """Validate MoE layer ``i`` from headers (stock names, or the moecompress format when described)."""
     if desc is None:
-        return adapter.check_layer(i, reader.keys, reader.shape)
+        keys = [k for k in reader.keys if not k.startswith(f"{routing_prefix(adapter, i)}.")]
+        return adapter.check_layer(i, keys, reader.shape)
     problem = layer_problem(adapter, i, desc, reader)
     if problem is not None:
         raise problem.error(f"{adapter.model_type} (moecompress format)")
     return [*stock_keys(adapter, i, desc), *compressed_keys(adapter, i, desc)]
 
 
-def provenance_block(block: dict | None, protected: dict[str, list[int]]) -> dict | None:
-    """The input's provenance block (without layouts), with the protection that was written."""
-    if block is None and not protected:
+def provenance_block(
+    block: dict | None, protected: dict[str, list[int]], routing: dict[str, dict] | None = None
+) -> dict | None:
+    """The input's provenance block (without layouts), with the protection and routing policies that
+    were written."""
+    if block is None and not protected and not routing:
         return None
-    out = {k: v for k, v in (block or {}).items() if k not in ("layers", "protected")}
+    out = {k: v for k, v in (block or {}).items() if k not in ("layers", "protected", "routing")}
     if protected:
         out["protected"] = protected
+    if routing:
+        out["routing"] = routing
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moecompress.errors import CheckpointError, LayoutError
+from moecompress.io.routing import SIMILARITY, routing_prefix
 from moecompress.ir import Act, ExpertBank, MoELayer
 from moecompress.layouts import LAYOUTS
 from moecompress.layouts.dense import Dense
@@ -89,9 +90,10 @@ def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dic
     """On-disk tensors of ``layer`` and its description (``None`` for a stock layer). A compressed
     shared expert is stored like the routed bank, under the shared module's path (``desc["shared"]``)."""
     if is_stock(layer, adapter):
-        return adapter.layer_tensors(layer), None
+        return {**adapter.layer_tensors(layer), **encode_routing(adapter, layer)}, None
     shared_stock = _dense_bank(layer.shared)
     out = adapter.router_tensors(layer, shared=shared_stock)
+    out.update(encode_routing(adapter, layer))
     p = adapter.experts_key(layer.index)
     desc = encode_bank(layer.experts, p, out)
     if layer.expert_map is not None:
@@ -101,6 +103,13 @@ def encode_layer(adapter, layer: MoELayer) -> tuple[dict[str, torch.Tensor], dic
     if not shared_stock:
         desc["shared"] = encode_bank(layer.shared, adapter.shared_key(layer.index), out)  # type: ignore[arg-type]
     return out, desc
+
+
+def encode_routing(adapter, layer: MoELayer) -> dict[str, torch.Tensor]:
+    """SERE's similarity, under the routing-policy module's path (``moecompress.io.routing``)."""
+    if layer.routing_similarity is None:
+        return {}
+    return {f"{routing_prefix(adapter, layer.index)}.{SIMILARITY}": layer.routing_similarity.float().contiguous()}
 
 
 def _bank_keys(i: int, p: str, desc: dict[str, Any]) -> list[str]:
@@ -197,7 +206,7 @@ def config_with_layers(
     layers = {str(i): d for i, d in sorted(descs.items()) if d}
     if provenance is not None or layers:
         cfg["moecompress"] = {"format": FORMAT_VERSION, **(provenance or {}), "layers": layers}
-    if layers:
+    if layers or (provenance or {}).get("routing"):  # the moecompress runtime loads layouts and policies
         cfg["quantization_config"] = {"quant_method": "moecompress", "format": FORMAT_VERSION}
     # router rows are always stock modules; expert widths only for the layers written under stock names
     counts = {c for c, _ in shapes.values()}

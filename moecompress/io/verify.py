@@ -33,6 +33,7 @@ import torch
 from moecompress.errors import CheckpointError, MoecompressError
 from moecompress.io.format import FORMAT_VERSION, PROJ, read_compressed_layer, stock_keys
 from moecompress.io.reader import SAFETENSORS_DTYPES
+from moecompress.io.routing import check_routing, read_routing, routing_prefix
 from moecompress.ir import Act
 from moecompress.layouts import LAYOUTS
 
@@ -108,7 +109,18 @@ def read_block(block: Any, *, quant_method: Any) -> tuple[dict[int, Any] | None,
     ):
         why = f"moecompress.protected is {_show(protected)}, not an object of layer index -> expert ids"
         return None, [Problem(None, why, DAMAGED)]
+    try:
+        routing = read_routing(block)
+    except ValueError as err:
+        return None, [Problem(None, str(err), DAMAGED)]
     problems = []
+    if routing and quant_method != "moecompress":
+        why = (
+            f"moecompress.routing holds policies for layers {sorted(routing)} but quantization_config is not "
+            f"{{'quant_method': 'moecompress', 'format': {FORMAT_VERSION}}}, so transformers would load the model "
+            "without them"
+        )
+        problems.append(Problem(None, why, DAMAGED))
     if descs and quant_method != "moecompress":
         why = (
             f"moecompress.layers describes layers {sorted(descs)} but quantization_config is not "
@@ -206,6 +218,9 @@ def verify_checkpoint(adapter, block: Any, reader, *, quant_method: Any) -> list
     descs, problems = read_block(block, quant_method=quant_method)
     if descs is None:
         return problems
+    why = check_routing(adapter, read_routing(block), reader)
+    if why is not None:
+        problems.append(Problem(None, why, LOST if "missing" in why else DAMAGED))
     return problems + verify_layers(adapter, descs, reader)
 
 
@@ -327,7 +342,8 @@ def _agree(experts: dict, hidden: int, field: str) -> None:
 
 def _check_stock(adapter, i: int, reader) -> None:
     try:
-        adapter.check_layer(i, reader.keys, reader.shape)
+        own = f"{routing_prefix(adapter, i)}."  # a routing policy's tensors are checked by check_routing
+        adapter.check_layer(i, [k for k in reader.keys if not k.startswith(own)], reader.shape)
     except MoecompressError as err:
         prefix = f"{adapter.experts_key(i)}."
         ours = [k for k in reader.keys if k.startswith(prefix) and k[len(prefix) :].startswith(_FORMAT_PARTS)]

@@ -12,6 +12,7 @@ from moecompress.engine.spec import PassSpec
 from moecompress.passes import (
     ablate,
     analyze,
+    capacity_drop,
     codequant,
     expert_prune,
     heapr,
@@ -19,7 +20,9 @@ from moecompress.passes import (
     merge_experts,
     namex,
     neuron_prune,
+    routing_report,
     rtn,
+    sere,
     super_experts,
     svd_experts,
     tdmoe,
@@ -41,6 +44,9 @@ BUILTIN_PASSES: dict[str, PassSpec] = {
         rtn.SPEC,
         namex.SPEC,
         merge_experts.SPEC,
+        capacity_drop.SPEC,
+        sere.SPEC,
+        routing_report.SPEC,
     )
 }
 """Every built-in recipe step, by name."""

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moecompress.errors import CheckpointError
 
 
-def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
-    """Load ``path`` (directory or Hub id) as a ``transformers`` causal LM in eval mode."""
+def load(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    routing: Any = None,
+):
+    """Load ``path`` (directory or Hub id) as a ``transformers`` causal LM in eval mode. ``routing``:
+    ``None`` applies the routing policies the checkpoint stores, ``"off"`` none, a mapping such as
+    ``{"capacity_drop": {"gamma": 1.0}}`` sets those knobs on every MoE layer
+    (:func:`moecompress.runtime.routing.set_routing`)."""
     from transformers import AutoModelForCausalLM
 
     from moecompress.io.hub import resolve_checkpoint_dir
+    from moecompress.runtime.routing import set_routing
 
     directory = resolve_checkpoint_dir(path)
     if not (directory / "config.json").is_file():
@@ -33,6 +44,8 @@ def load(path: str | Path, *, dtype: torch.dtype | str | None = None, device: st
     )
     if adapter is not None:
         refuse_missing(adapter, info.get("missing_keys", ()), directory)
+    if routing is not None:
+        set_routing(model, routing)
     return model.to(device).eval()
 
 

@@ -6,7 +6,9 @@
 meta device and calls :meth:`MoecompressQuantizer._process_model_before_weight_loading`, which swaps
 each described layer's experts module *instance* for a :class:`CompressedExperts` (and a compressed
 shared expert's for a :class:`CompressedShared`) whose parameters and buffers are exactly the stored
-tensors (``docs/format.md``); transformers then loads them by name. The router, attention and dense
+tensors (``docs/format.md``), and gives a block with a stored routing policy its
+:class:`~moecompress.runtime.routing.RoutingPolicy` (``docs/routing.md``); transformers then loads
+them by name. The router, attention and dense
 shared experts stay transformers' own modules. No class is patched.
 """
 
@@ -23,6 +25,7 @@ from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION, PROJ, decode_bank
 from moecompress.io.verify import module_tensors, verify_checkpoint
 from moecompress.reference import expert_forward, experts_forward
+from moecompress.runtime.routing import attach_stored
 
 METHOD = "moecompress"
 
@@ -121,6 +124,7 @@ class MoecompressQuantizer(HfQuantizer):
             if "shared" in desc:
                 shared = CompressedShared(desc["shared"], hidden, f"moecompress.layers.{i}.shared")
                 setattr(moe, adapter.shared_name, shared)
+        attach_stored(model, adapter, block)  # routing policies, on the experts modules now in place
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):

@@ -26,7 +26,8 @@ import torch
 from moecompress.errors import MoecompressError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.io.hub import resolve_checkpoint_dir
-from moecompress.io.verify import read_block, verify_layers
+from moecompress.io.routing import check_routing, read_routing
+from moecompress.io.verify import LOST, read_block, verify_layers
 
 
 def _light_fetch(reader, names) -> dict[str, torch.Tensor]:
@@ -62,6 +63,7 @@ def _layer_facts(layer, align: int | None, problems: list) -> dict[str, Any]:
         "params": layer.num_params(),
         "bytes": layer.nbytes(),
         "protected": sorted(layer.protected),
+        "routing": {k: dict(v) for k, v in (layer.routing or {}).items()},
     }
     if bank.widths is not None and (int(bank.widths.max()) > bank.width or int(bank.widths.min()) < 0):
         problems.append(
@@ -90,7 +92,9 @@ def inspect_checkpoint(path: str | Path, *, align: int | None = None, load: bool
         return _unreadable(directory, raw, block_problems)
     ckpt = open_checkpoint(directory, validate=False)
     adapter, reader = ckpt.adapter, ckpt.reader
-    problems = [p.as_dict() for p in block_problems + verify_layers(adapter, descs, reader)]
+    routing_problem = check_routing(adapter, read_routing(raw.get("moecompress")), reader)
+    routing = [] if routing_problem is None else [_problem(None, routing_problem, LOST)]
+    problems = routing + [p.as_dict() for p in block_problems + verify_layers(adapter, descs, reader)]
     layers: list[dict[str, Any]] = []
     for i in adapter.moe_layer_indices:
         if any(p["layer"] == i for p in problems):
@@ -185,6 +189,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{x['layer']:>5} {lay:<22} {experts:>9} {x['top_k']:>5} {width:>11} {x['params']:>12,} {x['bytes']:>12,}"
         )
+    for x in report["layers"]:
+        for kind, knobs in x.get("routing", {}).items():
+            shown = ", ".join(f"{k}={v}" for k, v in knobs.items())
+            lines.append(f"{x['layer']:>5} routing policy {kind}: {shown}")
     st = report["stock_transformers"]
     lines += [
         "",
