@@ -116,6 +116,14 @@ def test_sources_compressed_tensors_cannot_express_are_refused(qwen, tmp_path):
         export(three, tmp_path / "o", progress=False)
     with pytest.raises(ExportError, match=r"layer 0 is not quantised \(stock dense experts\)"):
         export(qwen / "m", tmp_path / "o", progress=False)
+
+    def with_policy(layer):  # a servable rtn layer that also carries a routing policy
+        return layer.replace(routing={"capacity_drop": {"gamma": 1.5}})
+
+    routed = rewrite_checkpoint(_rtn_checkpoint(qwen / "m", tmp_path / "sym", bits=4, group_size=16, symmetric=True),
+                                tmp_path / "routed", with_policy, progress=False)  # fmt: skip
+    with pytest.raises(ExportError, match=r"routing policies .* would ignore"):
+        export(routed, tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
 
 

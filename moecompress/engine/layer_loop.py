@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
+from moecompress.io.routing import stored_policy
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
 
@@ -91,7 +92,7 @@ def rewrite_checkpoint(
             if layer.protected:
                 protected[str(idx)] = sorted(layer.protected)
             if layer.routing:
-                routing[str(idx)] = {k: dict(v) for k, v in layer.routing.items()}
+                routing[str(idx)] = stored_policy(layer)
             writer.add_many(tensors)
 
         stream_layers(ckpt, [writer], on_moe, progress=progress)

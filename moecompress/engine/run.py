@@ -27,6 +27,7 @@ from moecompress.engine.steps import run_step, step_stats
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
+from moecompress.io.routing import stored_policy
 from moecompress.io.writer import ShardWriter, move_into_place
 from moecompress.ir import cast_layer
 from moecompress.methods.metrics import relative_error, sqnr_db
@@ -154,7 +155,7 @@ class RecipeRun:
                 if new.protected:
                     self.protected[step.number][str(idx)] = sorted(new.protected)
                 if new.routing:
-                    self.routing[step.number][str(idx)] = {k: dict(v) for k, v in new.routing.items()}
+                    self.routing[step.number][str(idx)] = stored_policy(new)
                 self.writers[step.number].add_many(tensors)
                 del tensors
             self.seconds[step.number] += secs

@@ -100,6 +100,11 @@ def _scheme_of(ckpt: Checkpoint, quantize_protected: bool) -> dict[str, Any]:
             f"{ckpt.model_type}: the compressed-tensors export writes per-expert nn.Linear names, which this "
             "architecture does not have on disk (fused experts); export is supported for per-expert models"
         )
+    if ckpt.routing:
+        raise ExportError(
+            f"layers {sorted(ckpt.routing)} carry routing policies (capacity_drop / sere), which compressed-tensors "
+            "loaders would ignore; export the output of the steps before the routing-policy steps"
+        )
     layouts = ckpt.layouts
     fix = "run the rtn pass with symmetric: true and bits 4 or 8 as the last step"
     seen: dict[str, Any] = {}

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from moecompress.errors import LayoutError
+
 KINDS = ("capacity_drop", "sere", "top_k")
 SIMILARITY = "similarity"
 
@@ -104,6 +106,15 @@ def read_routing(block: Any) -> dict[int, dict[str, BaseModel]]:
             raise ValueError(f"moecompress.routing has key {key!r}, not a layer index")
         out[int(key)] = parse_policy(value, f"moecompress.routing.{key}")
     return out
+
+
+def stored_policy(layer) -> dict[str, dict]:
+    """The JSON form of ``layer.routing`` with every knob checked and defaults filled in (what an output's
+    ``config.json`` stores); a malformed policy is a one-line :class:`LayoutError`."""
+    try:
+        return policy_dict(parse_policy(dict(layer.routing), f"layer {layer.index}: routing"))
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
 
 
 def policy_dict(policy: dict[str, BaseModel]) -> dict[str, dict]:
