@@ -136,7 +136,8 @@ def decode_speed(path: Path, rounds: int = 3) -> list[dict]:
         model = mc.load(path)
         model.set_experts_implementation(impl)
         top_k = model.config.num_experts_per_tok
-        runs = {"top-k": {"sere": {"select_top": top_k, "threshold": 2.0}},
+        runs = {"off": None,
+                "top-k": {"sere": {"select_top": top_k, "threshold": 2.0}},
                 "sere S=1 rho=0.1": {"sere": {"select_top": 1, "threshold": 0.1}},
                 "sere S=2 rho=0.1": {"sere": {"select_top": 2, "threshold": 0.1}}}  # fmt: skip
         best = {k: float("inf") for k in runs}
@@ -144,7 +145,8 @@ def decode_speed(path: Path, rounds: int = 3) -> list[dict]:
         for _ in range(rounds):
             for name, p in runs.items():
                 mc.set_routing(model, "off")
-                mc.set_routing(model, {"capacity_drop": None, **p})
+                if p is not None:
+                    mc.set_routing(model, {"capacity_drop": None, **p})
                 for m in policies(model).values():
                     m.record = True
                     m.reset_counts()
@@ -171,7 +173,8 @@ def main() -> None:
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity tables")
     args = ap.parse_args()
     hf_logging.disable_progress_bar()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not args.speed:
+        torch.set_num_threads(1)  # quality only: one thread is as fast on these tiny models, and shares the cores
     data = Path(args.shared) / "data"
     corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="routing-bench-"))

@@ -192,48 +192,56 @@ def sere_reroute(
     threshold: float,
     protected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
-    """SERE on one decode batch (module docstring). Returns new ``(ids, weights)`` and counts:
-    ``primary``, ``critical``, ``rerouted`` (experts), ``rerouted_slots``, ``executed`` (distinct
-    experts run)."""
+    """SERE on one decode batch ``ids [T, k]`` (module docstring), or on ``G`` independent batches at once
+    (``ids [G, T, k]``). Returns new ``(ids, weights)`` and counts (summed over batches): ``selected``,
+    ``primary``, ``critical``, ``rerouted`` (experts), ``rerouted_slots``, ``executed`` (distinct experts
+    run)."""
+    if ids.dim() == 2:
+        new_ids, new_w, counts = sere_reroute(ids[None], weights[None], similarity, select_top=select_top,
+                                              threshold=threshold, protected=protected)  # fmt: skip
+        return new_ids[0], new_w[0], counts
     e = similarity.shape[0]
-    k = ids.shape[1]
+    g, t, k = ids.shape
     valid = ids < e
-    order = weights.float().masked_fill(~valid, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    top = ids.gather(1, order[:, : max(1, select_top)])
-    top_valid = valid.gather(1, order[:, : max(1, select_top)])
-    primary = torch.zeros(e + 1, dtype=torch.bool, device=ids.device)
-    primary[torch.where(top_valid, top, torch.full_like(top, e)).flatten()] = True
-    primary = primary[:e]
-    selected = _assigned(ids, e).any(dim=0)
-    keep_fixed = primary if protected is None else primary | protected.to(primary.device)
+    s = max(1, min(select_top, k))
+    order = weights.float().masked_fill(~valid, float("-inf")).argsort(dim=2, descending=True, stable=True)
+    top = torch.where(valid.gather(2, order[..., :s]), ids.gather(2, order[..., :s]), torch.full_like(ids[..., :s], e))
+    primary = torch.zeros(g, e + 1, dtype=torch.bool, device=ids.device)
+    primary.scatter_(1, top.reshape(g, -1), True)
+    primary = primary[:, :e]
+    selected = torch.zeros(g, e + 1, dtype=torch.bool, device=ids.device)
+    selected.scatter_(1, ids.clamp(0, e).reshape(g, -1), True)
+    selected = selected[:, :e]
+    keep_fixed = primary if protected is None else primary | protected.to(primary.device)[None, :]
     secondary = selected & ~keep_fixed
-    sim = similarity.float().to(ids.device).masked_fill(~primary[None, :], float("-inf"))
-    best, target = sim.max(dim=1)
-    reroute = secondary & (best >= threshold) & primary.any()
-    mapping = torch.arange(e + 1, device=ids.device)
-    mapping[:e] = torch.where(reroute, target, mapping[:e])
-    new_ids = mapping[ids.clamp(0, e)]
-    new_w = weights.clone()
-    moved = valid & reroute[ids.clamp(max=e - 1)]
+    sim = similarity.float().to(ids.device)[None].masked_fill(~primary[:, None, :], float("-inf"))
+    best, target = sim.max(dim=2)  # [G, E]: each expert's most similar primary expert of its batch
+    reroute = secondary & (best >= threshold) & primary.any(dim=1, keepdim=True)
+    mapping = torch.arange(e + 1, device=ids.device).repeat(g, 1)
+    mapping[:, :e] = torch.where(reroute, target, mapping[:, :e])
+    new_ids = mapping.gather(1, ids.clamp(0, e).reshape(g, -1)).reshape(g, t, k)
+    moved = valid & reroute.gather(1, ids.clamp(max=e - 1).reshape(g, -1)).reshape(g, t, k)
+    flat_ids, new_w = new_ids.reshape(g * t, k).clone(), weights.reshape(g * t, k).clone()
     for j in range(1, k):  # two slots of one token on one expert: computed once, weights summed
-        same = (new_ids[:, :j] == new_ids[:, j : j + 1]) & (new_ids[:, :j] < e)
+        same = (flat_ids[:, :j] == flat_ids[:, j : j + 1]) & (flat_ids[:, :j] < e)
         dup = same.any(dim=1)
         if bool(dup.any()):
             first = same.float().argmax(dim=1)
             rows = torch.nonzero(dup).flatten()
             new_w[rows, first[rows]] += new_w[rows, j]
             new_w[rows, j] = 0
-            new_ids[rows, j] = e
-    executed = int(_assigned(new_ids, e).any(dim=0).sum())
+            flat_ids[rows, j] = e
+    executed = torch.zeros(g, e + 1, dtype=torch.bool, device=ids.device)
+    executed.scatter_(1, flat_ids.reshape(g, -1), True)
     counts = {
         "selected": int(selected.sum()),
         "primary": int(primary.sum()),
         "critical": int((secondary & ~reroute).sum()),
         "rerouted": int(reroute.sum()),
         "rerouted_slots": int(moved.sum()),
-        "executed": executed,
+        "executed": int(executed[:, :e].sum()),
     }
-    return new_ids, new_w, counts
+    return flat_ids.reshape(g, t, k), new_w.reshape(g, t, k), counts
 
 
 def topk_reduce(
@@ -343,22 +351,20 @@ def apply_policy(
         ids = new_ids
     sere = policy.get("sere")
     if sere and similarity is not None and (s == 1 or sere.get("simulate_decode")):
-        groups = [None] if s == 1 else [torch.arange(b, device=ids.device) * s + p for p in range(s)]
-        ids, weights = ids.clone(), weights.clone()
-        for g in groups:
-            sub_ids, sub_w = (ids, weights) if g is None else (ids[g], weights[g])
-            new_ids, new_w, c = sere_reroute(
-                sub_ids, sub_w, similarity, select_top=int(sere["select_top"]),
-                threshold=float(sere["threshold"]), protected=protected,
-            )  # fmt: skip
-            if g is None:
-                ids, weights = new_ids, new_w
-            else:
-                ids[g], weights[g] = new_ids, new_w
-            counts["batches"] += 1
-            counts["selected"] += c["selected"]
-            counts["executed"] += c["executed"]
-            counts["rerouted_slots"] += c["rerouted_slots"]
+        # tokens are [B, S] flattened: position p of every sequence forms decode batch p
+        width = ids.shape[1]
+        grouped_ids = ids.view(b, s, width).transpose(0, 1)  # [S, B, width]
+        grouped_w = weights.view(b, s, width).transpose(0, 1)
+        new_ids, new_w, c = sere_reroute(
+            grouped_ids, grouped_w, similarity, select_top=int(sere["select_top"]),
+            threshold=float(sere["threshold"]), protected=protected,
+        )  # fmt: skip
+        ids = new_ids.transpose(0, 1).reshape(b * s, width)
+        weights = new_w.transpose(0, 1).reshape(b * s, width)
+        counts["batches"] += s
+        counts["selected"] += c["selected"]
+        counts["executed"] += c["executed"]
+        counts["rerouted_slots"] += c["rerouted_slots"]
     return ids, weights, counts
 
 
