@@ -69,6 +69,11 @@ QUANT = {  # one parameter: bits
     "rtn-g64": lambda b: {"rtn": {"bits": b, "group_size": 64}},
     "rtn-g128": lambda b: {"rtn": {"bits": b, "group_size": 128}},
     "rtn-g32": lambda b: {"rtn": {"bits": b, "group_size": 32}},
+    "gptq-auto": lambda b: {"gptq": {"bits": b, "group_size": "auto", "symmetric": False}},
+    "gptq-g128": lambda b: {"gptq": {"bits": b, "group_size": 128, "symmetric": False}},
+    "gptq-g64": lambda b: {"gptq": {"bits": b, "group_size": 64, "symmetric": False}},
+    "gptq-g64-ao": lambda b: {"gptq": {"bits": b, "group_size": 64, "symmetric": False, "act_order": True}},
+    "gptq-g32": lambda b: {"gptq": {"bits": b, "group_size": 32, "symmetric": False}},
 }
 METHODS.update(QUANT)
 PRUNING = ["heapr-global", "heapr-layer", "expert-frequency", "expert-reap", "expert-random", "neuron-magnitude",

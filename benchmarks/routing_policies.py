@@ -189,7 +189,8 @@ def main() -> None:
         top_k = base.config.num_experts_per_tok
         variants = {"base": model, "heapr50": apply(model, work / f"{name}-heapr50", cal, [{"heapr": {"ratio": 0.5}}])}
         for variant, path in variants.items():
-            sere_dir = apply(path, work / f"{name}-{variant}-sere", cal, [{"sere": {"select_top": 1, "threshold": 0.0}}])
+            sere_dir = apply(path, work / f"{name}-{variant}-sere", cal,
+                             [{"sere": {"select_top": 1, "threshold": 0.0, "similarity": "frobenius"}}])  # fmt: skip
             others = {}
             for kind in ("cosine", "cka"):
                 d = apply(path, work / f"{name}-{variant}-sere-{kind}", cal, [{"sere": {"similarity": kind}}])

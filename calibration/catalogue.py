@@ -35,6 +35,7 @@ CATALOGUE: dict[str, StatInfo] = {
     "shared_down_out_absmax": StatInfo("forward", "[S]", "max |y| of the shared expert(s)"),
     "shared_down_out_argmax": StatInfo("forward", "[S]", "channel of shared_down_out_absmax"),
     "input_cov": StatInfo("forward", "[H, H]", "E[x x^T] over all tokens (uncentred)"),
+    "expert_in_cov": StatInfo("forward", "[E, H, H]", "E[x x^T] per expert over its routed tokens (GPTQ)"),
     "down_in_cov": StatInfo("forward", "[E, I, I]", "E[h h^T] per expert over its routed tokens"),
     "down_in_cov_pooled": StatInfo("forward", "[I, I]", "E[h h^T] over all routed (token, expert) pairs"),
     "io_sample": StatInfo(

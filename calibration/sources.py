@@ -7,8 +7,21 @@
   offline; it varies slightly across Python versions, which the fingerprint covers by hashing it.
 - ``"file:PATH"`` or a plain existing path: a UTF-8 text file, or a directory of ``*.txt`` files
   (sorted, not recursive). ``"file:A,B,..."`` is a comma list of files and/or directories.
-- ``"hf:NAME[:CONFIG][@SPLIT]"``: the ``text`` column of a Hugging Face ``datasets`` dataset (split
-  ``train`` unless given), rows joined by newlines into one text. Needs ``pip install datasets``.
+- ``"hf:..."``: read through the Hugging Face ``datasets`` library (``pip install "moecompress[data]"``):
+
+  - ``hf:text:PATH[,PATH...]``: UTF-8 text files (a directory: its sorted ``*.txt``), loaded with
+    ``load_dataset("text", data_files=..., sample_by="document")``: each file is one text, so the
+    token ids equal those of ``file:`` on the same files.
+  - ``hf:json:PATH[,...]`` (JSON or JSON lines; a directory: ``*.json``, ``*.jsonl``), ``hf:csv:PATH``,
+    ``hf:parquet:PATH``: ``load_dataset(FORMAT, data_files=...)``; ``hf:disk:DIR[@SPLIT]``: a directory
+    written by ``save_to_disk``, through ``load_from_disk`` (a ``DatasetDict`` needs ``@SPLIT``, default
+    ``train``).
+  - ``hf:NAME[:CONFIG][@SPLIT]``: a Hub dataset (split ``train`` unless given); needs the network or
+    the local ``datasets`` cache.
+
+  Every form but ``hf:text`` takes one string column, ``#COLUMN`` at the end (default ``text``); its
+  non-blank rows are joined by newlines into one text. Local forms hash their files for the
+  fingerprint (like ``file:``); a Hub dataset hashes its text.
 - ``"random"``: uniform token ids in ``[0, vocab_size)`` (``config.json`` in ``model_dir``); no
   tokenizer needed. For tests and benchmarks of models without tokenizer files.
 
@@ -27,8 +40,6 @@ current directory. Tokenising costs a few seconds per 10 MB of text: cache the r
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import json
 import logging
 import re
@@ -45,12 +56,18 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("calibration", "eval")
 EVAL_DIVISOR = 50  # the last len(text) // 50 characters (2%) of each text are the eval split
-FORMS = "builtin, random, file:PATH[,PATH...], a path, or hf:NAME[:CONFIG][@SPLIT]"
+FORMS = "builtin, random, file:PATH[,PATH...], a path, hf:FORMAT:PATH (text, json, csv, parquet, disk) or hf:NAME[:CONFIG][@SPLIT]"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
 )  # fmt: skip
 _FINGERPRINT_VERSION = 1
+HF_LOCAL = {  # hf:FORMAT:PATH -> the file names a directory contributes
+    "text": ("*.txt",), "json": ("*.json", "*.jsonl"), "csv": ("*.csv",), "parquet": ("*.parquet",), "disk": (),
+}  # fmt: skip
+_HF_FORMS = "hf:text|json|csv|parquet:PATH[,PATH...][#COLUMN], hf:disk:DIR[@SPLIT][#COLUMN] or hf:NAME[:CONFIG][@SPLIT][#COLUMN]"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_COLUMN = re.compile(r"#([A-Za-z_][\w.-]*)$")
 _CHUNK_CHARS = 1 << 16
 _LINE_START = re.compile(r"\n(?=\S)")
 
@@ -63,7 +80,9 @@ class CalibrationError(MoecompressError):
 class _Source:
     kind: str  # builtin | files | hf | random
     paths: tuple[Path, ...] = ()
-    hf: tuple[str, str | None, str] = ("", None, "train")
+    hf: tuple[str, str | None, str] = ("", None, "train")  # Hub (name, config, split); disk: ("", None, split)
+    hf_form: str = "hub"  # hub, or a key of HF_LOCAL (then ``paths`` holds the files / the directory)
+    column: str = "text"
 
 
 def load_token_ids(
@@ -97,6 +116,9 @@ def source_fingerprint(
         payload["tokenizer"] = [[p.name, _file_digest(p)] for p in _tokenizer_files(model_dir)]
         if spec.kind == "files":
             payload["texts"] = [_file_digest(p) for p in _expand(spec.paths)]
+        elif spec.kind == "hf" and spec.hf_form != "hub":  # local files: hash their bytes, load nothing
+            payload["hf"] = [spec.hf_form, spec.hf[2] if spec.hf_form == "disk" else None, spec.column]
+            payload["texts"] = [[str(p.relative_to(d)), *_file_digest(p)] for d, p in _hf_files(spec)]
         else:  # builtin / hf: hash the text itself
             payload["hf"] = list(spec.hf) if spec.kind == "hf" else None
             payload["texts"] = [[n, hashlib.sha256(t.encode()).hexdigest()] for n, t in _texts(spec)]
@@ -129,11 +151,7 @@ def _parse(source) -> _Source:
     if text in ("builtin", "random"):
         return _Source(text)
     if text.startswith("hf:"):
-        rest, at, hf_split = text[3:].partition("@")
-        name, _, config = rest.partition(":")
-        if not name or (at and not hf_split):
-            raise CalibrationError(f"calibration source {source!r}: expected hf:NAME[:CONFIG][@SPLIT]")
-        return _Source("hf", hf=(name, config or None, hf_split or "train"))
+        return _parse_hf(source, text[3:])
     if text.startswith("file:"):
         items = [s.strip() for s in text[5:].split(",")]
         if not all(items):
@@ -151,16 +169,52 @@ def _parse(source) -> _Source:
     )
 
 
+def _parse_hf(source: str, rest: str) -> _Source:
+    def bad(why: str) -> CalibrationError:
+        return CalibrationError(f"calibration source {source!r}: {why}; expected {_HF_FORMS}")
+
+    column = "text"
+    m = _COLUMN.search(rest)
+    if m:
+        column, rest = m.group(1), rest[: m.start()]
+    form, colon, tail = rest.partition(":")
+    if colon and form in HF_LOCAL:
+        if form == "disk":
+            tail, at, split = tail.rpartition("@") if "@" in tail else (tail, "", "")
+            if at and not split:
+                raise bad("empty @SPLIT")
+        items = [t.strip() for t in tail.split(",")] if form != "disk" else [tail.strip()]
+        if not all(items):
+            raise bad(f"hf:{form}: needs a path")
+        if form == "text" and m:
+            raise bad("hf:text: reads whole files and takes no #COLUMN")
+        paths = tuple(Path(t).expanduser() for t in items)
+        for p in paths:
+            if not p.exists():
+                raise CalibrationError(f"calibration source {source!r}: {p} does not exist")
+        if form == "disk" and not paths[0].is_dir():
+            raise bad(f"{paths[0]} is not a directory written by save_to_disk")
+        split = (split or "train") if form == "disk" else "train"
+        return _Source("hf", paths=paths, hf=("", None, split), hf_form=form, column=column)
+    name_config, at, split = rest.partition("@")
+    name, _, config = name_config.partition(":")
+    if not name or (at and not split):
+        raise bad("empty NAME or @SPLIT")
+    if not _HUB_ID.fullmatch(name) or "/" in config or "/" in split:
+        raise bad(f"{name_config!r} is neither a local form ({', '.join(HF_LOCAL)}) nor a Hub dataset id")
+    return _Source("hf", hf=(name, config or None, split or "train"), column=column)
+
+
 # --- text --------------------------------------------------------------------------------------------
 
 
-def _expand(paths: tuple[Path, ...]) -> list[Path]:
+def _expand(paths: tuple[Path, ...], patterns: tuple[str, ...] = ("*.txt",)) -> list[Path]:
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
-            found = sorted(q for q in p.glob("*.txt") if q.is_file())
+            found = sorted({q for pat in patterns for q in p.glob(pat) if q.is_file()})
             if not found:
-                raise CalibrationError(f"calibration directory {p} contains no *.txt files")
+                raise CalibrationError(f"calibration directory {p} contains no {' or '.join(patterns)} files")
             files.extend(found)
         else:
             files.append(p)
@@ -171,7 +225,7 @@ def _texts(spec: _Source) -> list[tuple[str, str]]:
     if spec.kind == "builtin":
         return builtin_texts()
     if spec.kind == "hf":
-        return [(spec.hf[0], _hf_text(*spec.hf))]
+        return _hf_texts(spec)
     out = []
     for path in _expand(spec.paths):
         try:
@@ -183,26 +237,67 @@ def _texts(spec: _Source) -> list[tuple[str, str]]:
     return out
 
 
-def _hf_text(name: str, config: str | None, hf_split: str) -> str:
-    where = f"hf:{name}" + (f":{config}" if config else "") + f"@{hf_split}"
-    if importlib.util.find_spec("datasets") is None:
-        raise CalibrationError(
-            f"calibration source {where} needs the `datasets` package: pip install datasets "
-            "(or use source: builtin or file:PATH)"
-        )
-    datasets = importlib.import_module("datasets")
+def _hf_where(spec: _Source) -> str:
+    if spec.hf_form == "hub":
+        name, config, split = spec.hf
+        return f"hf:{name}" + (f":{config}" if config else "") + f"@{split}"
+    tail = f"@{spec.hf[2]}" if spec.hf_form == "disk" else ""
+    return f"hf:{spec.hf_form}:" + ",".join(str(p) for p in spec.paths) + tail
+
+
+def _hf_files(spec: _Source) -> list[tuple[Path, Path]]:
+    """(root, file) of every local file an ``hf:FORMAT:PATH`` source reads, in a stable order."""
+    if spec.hf_form == "disk":
+        root = spec.paths[0]
+        return [(root, p) for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
+    return [(p.parent, p) for p in _expand(spec.paths, HF_LOCAL[spec.hf_form])]
+
+
+def _hf_texts(spec: _Source) -> list[tuple[str, str]]:
+    """The texts of an ``hf:`` source, read with the ``datasets`` library."""
+    from moecompress.extras import require
+
+    where = _hf_where(spec)
+    require("data", f"calibration source {where}")
+    import datasets
+
     try:
-        data = datasets.load_dataset(name, config, split=hf_split)
-    except Exception as err:  # offline, unknown name, bad config/split: one line for the user
+        if spec.hf_form == "hub":
+            name, config, split = spec.hf
+            data = datasets.load_dataset(name, config, split=split)
+        elif spec.hf_form == "disk":
+            data = datasets.load_from_disk(str(spec.paths[0]))
+            if isinstance(data, datasets.DatasetDict):
+                if spec.hf[2] not in data:
+                    raise CalibrationError(
+                        f"calibration source {where}: the saved DatasetDict has no split {spec.hf[2]!r} "
+                        f"(splits: {', '.join(data)}); add @SPLIT"
+                    )
+                data = data[spec.hf[2]]
+        else:
+            files = [str(p) for _, p in _hf_files(spec)]
+            extra = {"sample_by": "document"} if spec.hf_form == "text" else {}
+            data = datasets.load_dataset(spec.hf_form, data_files=files, split="train", **extra)
+    except MoecompressError:
+        raise
+    except Exception as err:  # offline, unknown name, bad config/split, unreadable files: one line
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        hint = "offline? use source: builtin or file:PATH" if spec.hf_form == "hub" else "check the files"
         raise CalibrationError(
-            f"could not load Hugging Face dataset {where} ({type(err).__name__}: {reason}); "
-            "offline? use source: builtin or file:PATH"
+            f"could not load Hugging Face dataset {where} ({type(err).__name__}: {reason}); {hint}"
         ) from None
     columns = list(getattr(data, "column_names", []) or [])
-    if "text" not in columns:
-        raise CalibrationError(f"Hugging Face dataset {where} has no 'text' column (columns: {columns})")
-    return "\n".join(t for t in data["text"] if isinstance(t, str) and t.strip())
+    if spec.column not in columns:
+        raise CalibrationError(
+            f"Hugging Face dataset {where} has no {spec.column!r} column (columns: {columns}); "
+            "name the column with #COLUMN at the end of the source"
+        )
+    rows = data[spec.column]
+    if spec.hf_form == "text":  # one row per file (sample_by="document"): each file is one text
+        return [(str(p), t) for (_, p), t in zip(_hf_files(spec), rows, strict=True)]
+    if any(not isinstance(t, str) for t in rows if t is not None):
+        raise CalibrationError(f"Hugging Face dataset {where}: column {spec.column!r} is not a string column")
+    return [(where, "\n".join(t for t in rows if isinstance(t, str) and t.strip()))]
 
 
 def _split_text(text: str, split: str) -> str:

@@ -126,6 +126,10 @@ class StatsCollector:
         if "expert_in_sq_mean" in self.names:
             assert self._x is not None
             self._add("expert_in_sq_mean", (self._x[tok].detach().float() ** 2).sum(0), e)
+        if "expert_in_cov" in self.names:
+            assert self._x is not None
+            xe = self._x[tok].detach().float()
+            self._add("expert_in_cov", xe.T @ xe, e)
         if {"expert_out_norm_mean", "reap_saliency"} & self.names:
             norms = y.detach().float().norm(dim=-1)
             self._add("expert_out_norm_mean", norms.sum(), e)
@@ -178,7 +182,7 @@ class StatsCollector:
                 v = s
             elif name in ("act_sq_mean", "expert_in_sq_mean", "expert_out_norm_mean", "reap_saliency"):
                 v = s / per_expert.view(-1, *([1] * (s.dim() - 1)))
-            elif name == "down_in_cov":
+            elif name in ("down_in_cov", "expert_in_cov"):
                 v = s / per_expert.view(-1, 1, 1)
             elif name == "down_in_cov_pooled":
                 v = s / max(float(routed.sum()), 1.0)

@@ -106,6 +106,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars
+    card = None
+    if args.card:  # before the work: OUT must be a finished run directory
+        from moecompress.hub.card import card_inputs
+
+        if not Path(args.model).is_dir():
+            raise EvaluationError(f"--card rewrites MODEL/README.md: {args.model} is not a local directory")
+        card = card_inputs(Path(args.model))
     result = evaluate(
         args.model,
         against=args.against,
@@ -116,6 +123,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         progress=not args.quiet,
+        tasks=args.tasks,
+        task_dir=args.task_dir,
+        limit=args.limit,
     )
     text = json.dumps(result, indent=2)
     if args.json:
@@ -124,6 +134,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         except OSError as err:
             raise EvaluationError(f"cannot write --json {args.json}: {err.strerror}") from None
     print(text)
+    if card is not None:
+        from moecompress.hub.card import write_model_card
+
+        print(f"wrote {write_model_card(Path(args.model), **card, evaluation=result)}", file=sys.stderr)
     return 0
 
 
@@ -241,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16", "float16"], help="load the models in this dtype"
     )
     ev.add_argument("--device", default="cpu", help="device to load the models on (default cpu)")
+    ev.add_argument(
+        "--tasks",
+        metavar="NAMES",
+        help="lm-eval tasks, comma-separated (needs moecompress[eval]); bundled offline: "
+        "moecompress_nextword, moecompress_continuation",
+    )
+    ev.add_argument("--task-dir", metavar="DIR", help="directory of lm-eval task YAML configs (with --tasks)")
+    ev.add_argument("--limit", type=int, metavar="N", help="at most N documents per lm-eval task")
+    ev.add_argument(
+        "--card", action="store_true", help="rewrite MODEL/README.md (the model card) with these results"
+    )
     ev.add_argument("--json", metavar="OUT", help="also write the JSON result to this file")
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=_cmd_eval)

@@ -19,6 +19,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "plots": ("matplotlib",),
     "compressed-tensors": ("compressed_tensors",),
     "data": ("datasets",),
+    "eval": ("lm_eval", "accelerate"),  # lm-eval's HFLM imports accelerate
 }
 """Extra name -> the modules it provides (``pyproject.toml``'s optional-dependencies)."""
 

@@ -18,7 +18,7 @@ from moecompress.passes import BUILTIN_PASSES
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moecompress": ROOT / "moecompress", "moecompress.kernels": ROOT / "kernels",
             "moecompress.calibration": ROOT / "calibration"}  # fmt: skip
-OPTIONAL = {"tensorly", "matplotlib", "compressed_tensors", "datasets", "triton"}
+OPTIONAL = {"tensorly", "matplotlib", "compressed_tensors", "datasets", "triton", "lm_eval", "accelerate"}
 LAZY_OK = {"moecompress.cli"}  # the CLI loads its commands lazily (start-up time)
 
 

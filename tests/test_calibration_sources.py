@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import logging
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moecompress.calibration import CalibrationError, load_token_ids, source_fingerprint, sources
 from moecompress.calibration.builtin_text import builtin_texts
-from moecompress.errors import MoecompressError
+from moecompress.errors import MissingExtraError, MoecompressError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MARK = "QUOKKAZEBRA"
@@ -167,7 +165,7 @@ def _bad_dirs(tmp_path: Path, model_dir: Path) -> dict[str, Path]:
         ("builtin", "notok", {}, "no tokenizer files .* in .*noconfig; .*use source: random"),
         ("random", "notok", {}, "source: random needs .*config.json with vocab_size"),
         ("builtin", "tmp", {"split": "eval", "seq_len": 100_000}, "lower seq_len or add text"),
-        ("hf:", "model", {}, r"expected hf:NAME\[:CONFIG\]\[@SPLIT\]"),
+        ("hf:", "model", {}, r"expected hf:text\|json\|csv\|parquet:PATH.* or hf:NAME\[:CONFIG\]\[@SPLIT\]"),
     ],
 )
 def test_errors_are_one_line_and_name_the_problem(tmp_path, model_dir, source, where, kw, match):
@@ -188,44 +186,110 @@ def test_model_dir_must_exist(tmp_path):
         load("builtin", tmp_path / "nowhere")
 
 
-def test_hf_source_without_datasets_package(model_dir, monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # find_spec answers None: not installed
-    with pytest.raises(CalibrationError, match="hf:wikitext@train needs the `datasets` package: pip install"):
-        load("hf:wikitext", model_dir)
+def test_hf_source_without_datasets_package(model_dir, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # blocks the import, as for an absent package
+    for source in ("hf:wikitext", f"hf:text:{corpus}"):
+        with pytest.raises(MissingExtraError, match=r'needs datasets, .*pip install "moecompress\[data\]"') as e:
+            load(source, model_dir)
+        assert "\n" not in str(e.value) and source.split(":")[1] in str(e.value)
+    assert fingerprint(f"hf:text:{corpus}", model_dir)  # local files: hashed, the library is not needed
 
 
-def _fake_datasets(monkeypatch, load_dataset) -> None:
-    fake = types.ModuleType("datasets")
-    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
-    fake.load_dataset = load_dataset
-    monkeypatch.setitem(sys.modules, "datasets", fake)
+# --- the real `datasets` library on local files -------------------------------------------------------
 
 
-def test_hf_source_offline_and_text_column(model_dir, monkeypatch):
-    def offline(name, config, split):
-        raise ConnectionError("Couldn't reach the Hub\nmore detail")
+def test_hf_text_equals_file_for_files_dirs_and_lists(corpus, model_dir, tmp_path):
+    other = tmp_path / "sub" / "b.txt"
+    other.parent.mkdir()
+    other.write_text("\r\n".join(t for _, t in builtin_texts()[:15]) + "\n\n")  # CRLF, trailing blanks
+    shutil.copy(corpus, other.parent / "a.txt")
+    for split in ("calibration", "eval"):
+        for src in (str(corpus), f"{other.parent}", f"{other},{corpus}"):
+            kw = {"samples": 8, "seq_len": 40, "split": split}
+            hf, plain = load(f"hf:text:{src}", model_dir, **kw), load(f"file:{src}", model_dir, **kw)
+            assert hf.shape == (8, 40) and torch.equal(hf, plain), (split, src)
+    assert not torch.equal(load(f"hf:text:{other}", model_dir), load(f"hf:text:{corpus}", model_dir))
+    fp = fingerprint(f"hf:text:{corpus}", model_dir)
+    assert fp == fingerprint(f"hf:text:{corpus}", model_dir) != fingerprint(f"file:{corpus}", model_dir)
+    assert fp != fingerprint(f"hf:text:{corpus}", model_dir, seed=1)
+    text = corpus.read_text()
+    corpus.write_text(text[:100] + text[100:].replace("a", "e", 1))  # same size, one byte differs
+    assert fingerprint(f"hf:text:{corpus}", model_dir) != fp
 
-    _fake_datasets(monkeypatch, offline)
-    with pytest.raises(CalibrationError, match="could not load Hugging Face dataset hf:wiki:raw@test") as err:
-        load("hf:wiki:raw@test", model_dir)
-    assert "\n" not in str(err.value) and "use source: builtin or file:PATH" in str(err.value)
 
-    seen = []
-    rows = [text for _, text in builtin_texts()]
+def _rows() -> list[str]:
+    return [t for _, t in builtin_texts()[:40] if t.strip()]
 
-    class Data(dict):
-        column_names = property(lambda self: list(self))
 
-    def ok(name, config, split):
-        seen.append((name, config, split))
-        return Data(text=rows) if name == "org/good" else Data(content=rows)
+def test_hf_json_csv_parquet_and_disk_equal_the_joined_rows(model_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = _rows()
+    joined = tmp_path / "joined.txt"
+    joined.write_text("\n".join(rows))
+    expect = load(f"file:{joined}", model_dir, samples=6)
+    data = datasets.Dataset.from_dict({"text": rows, "n": list(range(len(rows)))})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": r, "n": 0}) + "\n" for r in rows))
+    data.to_csv(str(tmp_path / "rows.csv"), index=False)
+    data.to_parquet(str(tmp_path / "rows.parquet"))
+    data.rename_column("text", "body").save_to_disk(str(tmp_path / "disk"))
+    half = len(rows) // 2
+    datasets.DatasetDict({"train": data.select(range(half)), "validation": data}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    (tmp_path / "pq").mkdir()
+    data.select(range(half)).to_parquet(str(tmp_path / "pq" / "0.parquet"))
+    data.select(range(half, len(rows))).to_parquet(str(tmp_path / "pq" / "1.parquet"))
+    for src in ("json:{t}/rows.jsonl", "csv:{t}/rows.csv", "parquet:{t}/rows.parquet", "parquet:{t}/pq",
+                "disk:{t}/disk#body", "disk:{t}/dict@validation"):  # fmt: skip
+        source = "hf:" + src.format(t=tmp_path)
+        assert torch.equal(load(source, model_dir, samples=6), expect), source
+    assert not torch.equal(load(f"hf:disk:{tmp_path}/dict", model_dir, samples=6), expect)  # train: half
+    fps = {fingerprint(f"hf:disk:{tmp_path}/dict@{s}", model_dir) for s in ("train", "validation")}
+    fps |= {fingerprint(f"hf:parquet:{tmp_path}/rows.parquet", model_dir)}
+    assert len(fps) == 3
+    before = fingerprint(f"hf:disk:{tmp_path}/disk#body", model_dir)
+    data.select(range(3)).rename_column("text", "body").save_to_disk(str(tmp_path / "disk"))
+    assert fingerprint(f"hf:disk:{tmp_path}/disk#body", model_dir) != before
 
-    _fake_datasets(monkeypatch, ok)
-    ids = load("hf:org/good", model_dir)
-    assert ids.shape == (4, 32) and seen[-1] == ("org/good", None, "train")
-    assert fingerprint("hf:org/good", model_dir) != fingerprint("hf:org/good@validation", model_dir)
-    with pytest.raises(CalibrationError, match=r"no 'text' column \(columns: \['content'\]\)"):
-        load("hf:org/bad", model_dir)
+
+def test_hf_bad_input_is_one_line(model_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"content": _rows()}).to_parquet(str(tmp_path / "c.parquet"))
+    datasets.Dataset.from_dict({"text": [1, 2, 3]}).to_parquet(str(tmp_path / "ints.parquet"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json at all\n')
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": _rows()})}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    t = str(tmp_path)
+    cases = [
+        (f"hf:json:{t}/missing.jsonl", "missing.jsonl does not exist"),
+        (f"hf:parquet:{t}/c.parquet", r"has no 'text' column \(columns: \['content'\]\); name the column"),
+        (f"hf:parquet:{t}/c.parquet#body", r"no 'body' column"),
+        (f"hf:parquet:{t}/ints.parquet", "column 'text' is not a string column"),
+        (f"hf:json:{t}/bad.jsonl", r"could not load Hugging Face dataset hf:json:.*bad.jsonl \(.*check the files"),
+        (f"hf:xml:{t}/c.parquet", "is neither a local form .* nor a Hub dataset id"),
+        (f"hf:{t}/c.parquet", "is neither a local form"),
+        (f"hf:text:{t}/a.txt#col", "takes no #COLUMN"),
+        ("hf:json:", "hf:json: needs a path"),
+        (f"hf:disk:{t}/c.parquet", "is not a directory written by save_to_disk"),
+        (f"hf:disk:{t}/dict", r"has no split 'train' \(splits: validation\); add @SPLIT"),
+        (f"hf:disk:{t}/dict@", "empty @SPLIT"),
+        (f"hf:json:{t}/none", r"contains no \*.json or \*.jsonl files"),
+        ("hf:wiki@", "empty NAME or @SPLIT"),
+    ]
+    (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "none").mkdir()
+    for source, match in cases:
+        with pytest.raises(CalibrationError, match=match) as err:
+            load(source, model_dir)
+        assert "\n" not in str(err.value), source
+
+
+def test_hf_hub_form_is_parsed_without_network():
+    spec = sources._parse("hf:org/wiki:raw@test#body")
+    assert (spec.kind, spec.hf_form, spec.hf, spec.column) == ("hf", "hub", ("org/wiki", "raw", "test"), "body")
+    assert sources._parse("hf:wikitext").hf == ("wikitext", None, "train")
+    assert sources._parse("hf:wikitext").column == "text"
 
 
 def test_fingerprint_is_stable_and_sensitive(corpus, model_dir, tmp_path, monkeypatch):
@@ -277,3 +341,43 @@ def test_shared_python_docs_with_reference_tokenizer():
     assert int(ids.min()) >= 0 and int(ids.max()) < vocab
     text = Tokenizer.from_file(str(ref / "tokenizer.json")).decode(ids[0].tolist())
     assert text[10:-10] in corpus.read_text()  # real text from the corpus, not id soup
+
+
+@pytest.mark.shared
+def test_shared_corpus_through_datasets_equals_file():
+    corpus = SHARED / "data" / "corpus" / "lee_news.txt"
+    ref = SHARED / "data" / "models" / "ref-qwen3moe"
+    if not (corpus.is_file() and (ref / "tokenizer.json").is_file()):
+        pytest.skip("../shared reference data is absent")
+    pytest.importorskip("datasets")
+    kw = {"model_dir": ref, "samples": 16, "seq_len": 256, "seed": 0}
+    hf = load_token_ids(f"hf:text:{corpus}", **kw)
+    assert torch.equal(hf, load_token_ids(f"file:{corpus}", **kw))
+    assert torch.equal(load_token_ids(f"hf:text:{corpus}", split="eval", **kw), load_token_ids(
+        f"file:{corpus}", split="eval", **kw))
+
+
+def test_hf_text_calibration_statistics_equal_file(corpus, model_dir, tmp_path):
+    """The whole calibration (the engine's statistics cache entries) is the same through `datasets`."""
+    pytest.importorskip("datasets")
+    from safetensors.torch import load_file
+
+    from moecompress.engine.executor import calibrate
+    from moecompress.testing import save_tiny
+
+    ckpt = tmp_path / "tiny"
+    save_tiny("qwen3_moe", ckpt, vocab_size=300)
+    shutil.copy(model_dir / "tokenizer.json", ckpt / "tokenizer.json")
+    entries = []
+    for source in (f"file:{corpus}", f"hf:text:{corpus}"):
+        recipe = {
+            "model": str(ckpt), "output": str(tmp_path / "out"), "steps": [{"heapr": {"ratio": 0.25}}],
+            "calibration": {"source": source, "samples": 8, "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
+        }  # fmt: skip
+        entries.append(calibrate(recipe, progress=False))
+    assert entries[0] != entries[1]  # two cache keys (the sources differ) ...
+    files = sorted(p.name for p in entries[0].glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in entries[1].glob("*.safetensors"))
+    for name in files:  # ... holding identical statistics
+        a, b = load_file(entries[0] / name), load_file(entries[1] / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

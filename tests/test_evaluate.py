@@ -201,3 +201,18 @@ def test_shared_reference_model_against_itself():
     r = evaluate(model, against=model, texts=[text], max_tokens=2048, seq_len=256)
     assert r["kl"] == 0.0 and r["top1_agreement"] == 1.0 and r["tokens"] == 8 * 255
     assert r["perplexity"] == r["base_perplexity"] and 1 < r["perplexity"] < 200
+
+
+def test_hf_text_source_gives_the_same_evaluation_as_the_file(dirs, corpus):
+    pytest.importorskip("datasets")
+    by_file = _stable(run(dirs["base"], texts=[str(corpus)], max_tokens=4 * SEQ))
+    by_hf = _stable(run(dirs["base"], texts=[f"hf:text:{corpus}"], max_tokens=4 * SEQ))
+    assert by_hf.pop("texts") == [f"hf:text:{corpus}"] and by_file.pop("texts") == [str(corpus)]
+    assert by_hf == by_file and by_hf["windows"] == 4
+
+
+def test_task_arguments_need_tasks(dirs):
+    with pytest.raises(MoecompressError, match=r"pass tasks=\[...\] \(--tasks\) too"):
+        run(dirs["base"], limit=3)
+    with pytest.raises(MoecompressError, match="tasks must name lm-eval tasks"):
+        run(dirs["base"], tasks=[])

@@ -38,6 +38,7 @@ SAMPLES = {
     "svd_experts": {"ratio": 0.4},
     "codequant": {"bits": 3, "rotation_steps": 3, "kmeans_iters": 10, "finetune_steps": 2},
     "rtn": {"bits": 4},
+    "gptq": {"bits": 3, "act_order": True},
     "namex": {"ratio": 0.25, "refine_steps": 2},
     "merge_experts": {"ratio": 0.25, "router": "collapse"},
     "capacity_drop": {"gamma": 1.0},

@@ -121,6 +121,10 @@ def test_policy_survives_save_load_generate_and_inspect(qwen):
     report = inspect_checkpoint(qwen / "policy")
     assert report["ok"] and report["layers"][0]["routing"]["sere"]["select_top"] == 1
     assert "routing policy capacity_drop: gamma=0.75" in format_report(report)
+    card = (qwen / "policy" / "README.md").read_text()
+    assert "## Routing policies" in card and "`sere` (select_top=1, threshold=0.0" in card
+    assert "MoE layers 0, 1, 2" in card
+    assert "not servable (quant_method 'moecompress' (routing policies)" in card  # vLLM would ignore them
 
 
 def test_policy_on_a_compressed_layout(qwen, tmp_path):

@@ -20,9 +20,10 @@ import moecompress as mc
 from moecompress.calibration.skeleton import InstrumentedMoE, Skeleton
 from moecompress.calibration.stats import StatsCollector
 from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.reference import route
 
 NEEDS = {
-    "act_sq_mean", "expert_in_sq_mean", "input_cov", "expert_counts", "router_prob_mean", "router_entropy", "reap_saliency",
+    "act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "input_cov", "expert_counts", "router_prob_mean", "router_entropy", "reap_saliency",
     "expert_out_norm_mean", "down_out_absmax", "down_out_argmax", "down_in_cov", "down_in_cov_pooled",
     "io_sample", "grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled",
 }  # fmt: skip
@@ -102,6 +103,15 @@ def test_streamed_statistics_equal_in_memory_oracle(tmp_path, model_type):
         x = hooked[i]  # plain hooks on transformers' own MoE block
         assert _rel(fwd[i]["input_cov"], x.T @ x / x.shape[0]) <= tol
         assert _rel(fwd[i]["io_sample_x"], x[: len(fwd[i]["io_sample_x"])]) <= tol
+        # expert_in_cov by brute force: E[x xᵀ] over the tokens the router sends to each expert
+        layer = ckpt.read_layer(i)
+        ids_e, _ = route(layer, x)
+        for e in range(layer.experts.num_experts):
+            xs = x[(ids_e == e).any(1)]
+            want = xs.T @ xs / max(len(xs), 1)
+            assert _rel(fwd[i]["expert_in_cov"][e], want) <= tol if len(xs) else not fwd[i]["expert_in_cov"][e].any()
+        diag = torch.diagonal(fwd[i]["expert_in_cov"], dim1=1, dim2=2)
+        assert _rel(diag, fwd[i]["expert_in_sq_mean"]) <= tol
         assert set(ref_fwd[i]) - {"holdout_x"} <= set(fwd[i])
         for name, want in ref_fwd[i].items():
             if name == "holdout_x":

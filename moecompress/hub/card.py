@@ -39,8 +39,11 @@ from moecompress.hub.card_sections import (
     _experts_section,
     _int,
     _loading_section,
+    _model_index,
     _n_experts,
     _read_json,
+    _routing_section,
+    _serving_section,
     _sizes_section,
     _steps_section,
 )
@@ -178,7 +181,8 @@ def model_card(
     ``run`` is the run report (``report.json``); ``base_config`` the base model's ``config.json``
     (architecture line, experts per layer); ``base_card`` the base repo's ``README.md`` text (its
     ``license`` is inherited); ``evaluation`` the dict :func:`moecompress.evaluate` returns
-    (with ``against=`` the base: perplexity of both, KL, top-1 agreement, tokens/s) or
+    (with ``against=`` the base: perplexity of both, KL, top-1 agreement, tokens/s; with ``tasks=``
+    the lm-eval metrics, as table columns and as the front matter's ``model-index``) or
     ``{"rows": [{"model": "base", "perplexity": ...}, {"model": ..., "kl": ...}], <scalar info>...}``;
     ``loadability``
     is ``"stock"`` or ``"moecompress"``; ``repo_id`` (optional) is used in the loading snippet; ``name``
@@ -208,6 +212,9 @@ def model_card(
     if isinstance(qc, Mapping) and isinstance(qc.get("quant_method"), str):
         tags.append(qc["quant_method"])
     meta["tags"] = list(dict.fromkeys(tags))
+    index = _model_index(evaluation, name)
+    if index:  # lm-eval task results, in the Hub's model-index form
+        meta["model-index"] = index
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, default_flow_style=False)
 
     version = run.get("moecompress_version", "?")
@@ -239,7 +246,9 @@ def model_card(
     body += _experts_section(run, base_config)
     body += _sizes_section(run, out_dir)
     body += _evaluation_section(evaluation)
+    body += _routing_section(out_dir)
     body += _loading_section(out_dir, name, loadability, repo_id)
+    body += _serving_section(out_dir, loadability)
     warnings = [w for w in run.get("warnings") or [] if isinstance(w, str)]
     if warnings:
         body += ["## Warnings from the run", ""]

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from moecompress.errors import CheckpointError
+from moecompress.io.servability import VLLM_VERSION, vllm_servable
+from moecompress.io.verify import read_block
 
 QUANTIZERS = frozenset({"codequant", "rtn"})
 STEP_KINDS: dict[str, str] = {
@@ -217,7 +219,9 @@ def _eval_rows(ev: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
                 "tokens_per_second": ev.get("base_tokens_per_second"),
             }
         )
-    rows.append({"model": "this model", **{k: ev.get(k) for k in _METRICS}})
+    rows.append({"model": "this model", **{k: ev.get(k) for k in _METRICS}, **_task_cells(ev.get("tasks"))})
+    if rows[0]["model"] == "base":
+        rows[0].update(_task_cells(ev.get("base_tasks")))
     info = []
     if _int(ev.get("tokens")):
         info.append(
@@ -232,7 +236,45 @@ def _eval_rows(ev: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
         info.append("held-out split (last 2 %) of the builtin texts")
     if ev.get("dtype") or ev.get("device"):
         info.append(f"dtype {_cell(ev.get('dtype', '?'))} on {_cell(ev.get('device', '?'))}")
+    if isinstance(ev.get("tasks"), Mapping) and ev["tasks"]:
+        harness = ev.get("task_harness") if isinstance(ev.get("task_harness"), Mapping) else {}
+        done = [
+            f"`{_cell(t)}` ({_num(m.get('samples'))} documents)" if isinstance(m, Mapping) else f"`{_cell(t)}`"
+            for t, m in ev["tasks"].items()
+        ]
+        info.append(f"lm-evaluation-harness {_cell(harness.get('lm_eval', '?'))} tasks: " + ", ".join(done))
     return rows, info
+
+
+def _model_index(evaluation: Mapping[str, Any] | None, name: str) -> list[dict[str, Any]] | None:
+    """The Hub's ``model-index`` results (front matter) for the lm-eval tasks of an evaluation."""
+    tasks = (evaluation or {}).get("tasks")
+    if not isinstance(tasks, Mapping) or not tasks:
+        return None
+    results = []
+    for task, metrics in tasks.items():
+        if not isinstance(metrics, Mapping):
+            continue
+        values = [{"type": k, "value": v, "name": k} for k, v in metrics.items() if k != "samples" and _is_num(v)]
+        if values:
+            dataset = {"name": str(task), "type": str(task)}
+            results.append({"task": {"type": "text-generation"}, "dataset": dataset, "metrics": values})
+    return [{"name": name, "results": results}] if results else None
+
+
+def _task_cells(tasks: Any) -> dict[str, Any]:
+    """``{"TASK METRIC": value}`` table cells from ``evaluate(..., tasks=...)``'s ``tasks`` dict."""
+    if not isinstance(tasks, Mapping):
+        return {}
+    cells = {}
+    for task, metrics in tasks.items():
+        if isinstance(metrics, Mapping):
+            cells |= {f"{task} {k}": v for k, v in metrics.items() if k != "samples" and _is_num(v)}
+    return cells
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _evaluation_section(evaluation: Mapping[str, Any] | None) -> list[str]:
@@ -260,6 +302,51 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _routing_section(out_dir: Path) -> list[str]:
+    """The routing policies the checkpoint stores (``docs/routing.md``), grouped by identical knobs."""
+    try:
+        block = _read_json(out_dir / "config.json").get("moecompress")
+    except CheckpointError:
+        return []
+    routing = block.get("routing") if isinstance(block, Mapping) else None
+    if not isinstance(routing, Mapping) or not routing:
+        return []
+    groups: dict[str, list[int]] = {}
+    for layer, policy in sorted(routing.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
+        if not isinstance(policy, Mapping):
+            continue
+        for kind, knobs in policy.items():
+            shown = ", ".join(f"{k}={v}" for k, v in (knobs or {}).items()) if isinstance(knobs, Mapping) else ""
+            groups.setdefault(f"`{_cell(kind)}` ({_cell(shown)})", []).append(int(layer))
+    lines = ["## Routing policies", "",
+             "Applied by the moecompress runtime when the model runs; the weights are not changed by them.", ""]  # fmt: skip
+    lines += [f"- {policy}: MoE layers {', '.join(map(str, layers))}" for policy, layers in groups.items()]
+    lines += ["", 'Switch them off with `moecompress.load(path, routing="off")` or change their knobs with '
+              '`routing={...}` (moecompress docs/routing.md).', ""]  # fmt: skip
+    return lines
+
+
+def _serving_section(out_dir: Path, loadability: str) -> list[str]:
+    """vLLM-servability by :func:`moecompress.io.servability.vllm_servable` (GPU and vLLM's CPU build)."""
+    try:
+        cfg = _read_json(out_dir / "config.json")
+    except CheckpointError:
+        cfg = None
+    if cfg is None:
+        if loadability != "moecompress":
+            return []
+        return ["**vLLM:** not servable: moecompress's own layouts (run it with `moecompress.load`).", ""]
+    qc = cfg.get("quantization_config")
+    descs, _ = read_block(cfg.get("moecompress"), quant_method=qc.get("quant_method") if isinstance(qc, Mapping) else None)
+    gpu, why = vllm_servable(cfg, descs or {}, platform="gpu")
+    cpu, cpu_why = vllm_servable(cfg, descs or {}, platform="cpu")
+    return [
+        f"**vLLM {_cell(VLLM_VERSION)}:** {'serves it' if gpu else 'not servable'} ({_cell(why)}); its CPU build: "
+        f"{'yes' if cpu else 'no'} ({_cell(cpu_why)}). By moecompress's servability rules (docs/format.md).",
+        "",
+    ]
+
+
 def _loading_section(out_dir: Path, name: str, loadability: str, repo_id: str | None) -> list[str]:
     where = json.dumps(repo_id or name)
     comment = "" if repo_id else "  # this directory, or its Hub repo id"
@@ -279,8 +366,7 @@ def _loading_section(out_dir: Path, name: str, loadability: str, repo_id: str | 
             "## Loading",
             "",
             "**Loadability:** needs `pip install moecompress` and `import moecompress` before loading "
-            "(it registers moecompress's weight formats with transformers). Not servable by vLLM: vLLM "
-            "has no kernels for these layouts.",
+            "(it registers moecompress's weight formats with transformers).",
             "",
             "```python",
             "import moecompress  # registers moecompress's formats with transformers",

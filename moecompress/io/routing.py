@@ -47,7 +47,9 @@ class SerePolicy(BaseModel):
 
     select_top: int = Field(2, ge=1, description="S: each token's top-S experts are primary")
     threshold: float = Field(0.1, description="rho: re-route to the most similar primary when S[u, v] >= rho")
-    similarity: Literal["frobenius", "cosine", "cka"] = Field("frobenius", description="how S was computed")
+    similarity: Literal["frobenius", "cosine", "cka"] = Field(
+        "cosine", description="how S was computed (the paper's default is frobenius; docs/routing.md says why not ours)"
+    )
     simulate_decode: bool = Field(
         False,
         description="apply to multi-token forwards as teacher-forced decode: each position of a batch of "

@@ -261,7 +261,7 @@ def topk_reduce(
     return torch.where(keep, ids, torch.full_like(ids, e)), new_w
 
 
-def expert_similarity(outputs: torch.Tensor, kind: str = "frobenius") -> torch.Tensor:
+def expert_similarity(outputs: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
     """``[E, E]`` fp32 similarity of experts from their outputs ``[E, N, H]`` on the same ``N`` tokens:
     ``frobenius`` ``1 - ||A_p - A_q||_F / max ||A_p - A_q||_F``; ``cosine`` of the flattened outputs;
     ``cka`` linear CKA (token Gram matrices, centred). Diagonal 1. Computed in fp64."""

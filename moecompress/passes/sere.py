@@ -1,8 +1,9 @@
 """``sere``: store a SERE re-routing policy (arXiv 2602.07616) and its expert similarity.
 
 Offline (this step): every expert runs on the same calibration MoE inputs ``X`` (the first ``tokens`` of
-``io_sample``); ``A_i = E_i(X)``; the similarity ``S`` (``E x E``, diagonal 1) is ``frobenius``
-``1 - ||A_p - A_q||_F / max ||A_p - A_q||_F`` (the paper's default), ``cosine`` or linear ``cka``, for the
+``io_sample``); ``A_i = E_i(X)``; the similarity ``S`` (``E x E``, diagonal 1) is ``cosine`` of the
+flattened outputs (our default), ``frobenius`` ``1 - ||A_p - A_q||_F / max ||A_p - A_q||_F`` (the
+paper's default; ``docs/routing.md`` shows why it is not ours) or linear ``cka``, for the
 logical experts (merged experts share their physical expert's outputs). ``S`` is stored as a float32
 tensor and the knobs in ``config.json["moecompress"]["routing"]``; the weights are untouched.
 
@@ -16,7 +17,7 @@ Statistics needed: ``io_sample``. Cost: ``E`` expert evaluations on ``tokens`` t
 Example step::
 
     steps:
-      - sere: {select_top: 2, threshold: 0.1, similarity: frobenius}
+      - sere: {select_top: 2, threshold: 0.1, similarity: cosine}
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ returns a JSON-able dict::
     {"model", "against", "texts", "token_source", "seq_len", "windows", "tokens", "split_tokens",
      "dtype", "device", "loss", "perplexity", "seconds", "tokens_per_second",
      # only with against=:
-     "base_loss", "base_perplexity", "base_tokens_per_second", "kl", "top1_agreement"}
+     "base_loss", "base_perplexity", "base_tokens_per_second", "kl", "top1_agreement",
+     # only with tasks= (lm-evaluation-harness, :mod:`moecompress.tools.lm_eval`):
+     "tasks", "task_harness", and with against= also "base_tasks"}
 
 Tokens. Texts (files, directories of ``*.txt``, or any text form of
 :mod:`moecompress.calibration.sources`: ``builtin``, ``file:PATH``, ``hf:NAME``; default ``builtin``)
@@ -65,6 +67,9 @@ def evaluate(
     progress: bool = False,
     token_source: str = "text",
     tokenizer=None,
+    tasks=None,
+    task_dir=None,
+    limit: int | None = None,
 ) -> dict:
     """Evaluate ``model`` (a checkpoint directory, Hub id or loaded transformers model) on held-out text.
 
@@ -73,9 +78,17 @@ def evaluate(
     directory of tokenizer files to use instead of the model's own (needed for a loaded model whose
     ``name_or_path`` is not a local directory). ``dtype`` / ``device`` apply to models loaded here
     (through :func:`moecompress.load`); loaded models are used where they are. See the module docstring
-    for the windows and the metrics.
+    for the windows and the metrics. ``tasks``: lm-eval task names (bundled, lm-eval's own, or YAML
+    configs in ``task_dir``), run on the same loaded model(s) with at most ``limit`` documents each
+    (:mod:`moecompress.tools.lm_eval`).
     """
     _check_sizes(max_tokens, seq_len, batch_size)
+    if tasks is not None:
+        from moecompress.tools import lm_eval
+
+        lm_eval.check(tasks, task_dir, limit)
+    elif task_dir is not None or limit is not None:
+        raise EvaluationError("task_dir and limit apply to lm-eval tasks; pass tasks=[...] (--tasks) too")
     if token_source not in TOKEN_SOURCES:
         raise EvaluationError(f"token_source must be one of {', '.join(TOKEN_SOURCES)}; got {token_source!r}")
     if token_source == "random" and texts is not None:
@@ -126,6 +139,21 @@ def evaluate(
             kl=sums["kl"] / scored,
             top1_agreement=sums["agree"] / scored,
         )
+    if tasks is not None:
+        out.update(_tasks(net, base, tokenizer if tokenizer is not None else model_dir, tasks, task_dir, limit))
+    return out
+
+
+def _tasks(net, base, tokenizer_dir, tasks, task_dir, limit) -> dict:
+    from moecompress.tools.lm_eval import run_tasks
+
+    held_out_ids([], tokenizer_dir, what=_name(net))  # one line when there are no tokenizer files
+    directory = Path(tokenizer_dir).expanduser()
+    with _eval_mode(net), _eval_mode(base):  # a tokenizer per model: lm-eval may set its pad token
+        out = run_tasks(net, sources._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
+        if base is not None:
+            again = run_tasks(base, sources._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
+            out["base_tasks"] = again["tasks"]
     return out
 
 

@@ -12,7 +12,9 @@ layer and the fix instead of stopping at the first:
   ``align``, widths divisible by it (kernels, tensor parallelism);
 - stock loadability: stock names everywhere and no ``quantization_config`` -> plain transformers;
   otherwise the moecompress quantizer (``import moecompress``). ``load=True`` proves it by loading the
-  model and running a 4-token forward.
+  model and running a 4-token forward;
+- vLLM-servability (``vllm``: GPU, and ``cpu`` for vLLM's CPU build) from the rules of
+  :mod:`moecompress.io.servability` (``docs/format.md``, "Serving with vLLM"), not from a load.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from moecompress.errors import MoecompressError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.io.hub import resolve_checkpoint_dir
 from moecompress.io.routing import check_routing, read_routing
+from moecompress.io.servability import vllm_servable
 from moecompress.io.verify import LOST, read_block, verify_layers
 
 
@@ -128,6 +131,7 @@ def inspect_checkpoint(path: str | Path, *, align: int | None = None, load: bool
             "loads": not problems,
             "why": "all layers readable" if not problems else "see problems",
         },
+        "vllm": _vllm(raw, descs, problems, quant_method),
     }
     if load and not problems:
         report["load_check"] = _load_check(ckpt.path)
@@ -156,8 +160,20 @@ def _unreadable(directory: Path, raw: dict | None, problems: list) -> dict[str, 
         "problems": [p.as_dict() for p in problems],
         "stock_transformers": {"loads": False, "why": "see problems"},
         "moecompress_quantizer": {"loads": False, "why": "see problems"},
+        "vllm": {"serves": False, "why": "see problems", "cpu": False, "cpu_why": "see problems"},
         "ok": False,
     }
+
+
+def _vllm(raw: dict | None, descs: dict, problems: list, quant_method: Any) -> dict[str, Any]:
+    """vLLM-servability from the rules of :mod:`moecompress.io.servability` (GPU, and vLLM's CPU build).
+    A checkpoint with problems does not serve (a compressed-tensors export is judged by its config only:
+    its packed expert tensors are not moecompress's to verify)."""
+    if problems and quant_method != "compressed-tensors":
+        return {"serves": False, "why": "see problems", "cpu": False, "cpu_why": "see problems"}
+    gpu, gpu_why = vllm_servable(raw, descs, platform="gpu")
+    cpu, cpu_why = vllm_servable(raw, descs, platform="cpu")
+    return {"serves": gpu, "why": gpu_why, "cpu": cpu, "cpu_why": cpu_why}
 
 
 def _load_check(path: Path) -> dict[str, Any]:
@@ -199,6 +215,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"plain transformers: {'yes' if st['loads'] else 'no'} ({st['why']})",
         f"moecompress quantizer: {'yes' if report['moecompress_quantizer']['loads'] else 'no'}",
     ]
+    if "vllm" in report:
+        v = report["vllm"]
+        lines.append(
+            f"vLLM: {'yes' if v['serves'] else 'no'} ({v['why']}); CPU build: {'yes' if v['cpu'] else 'no'}"
+            + ("" if v["cpu"] == v["serves"] and v["cpu_why"] == v["why"] else f" ({v['cpu_why']})")
+        )
     if "load_check" in report:
         lines.append(
             f"load check: {'ok' if report['load_check']['ok'] else 'FAILED'} ({report['load_check']['why']})"

@@ -1,0 +1,181 @@
+"""GPTQ (Frantar, Ashkboos, Hoefler, Alistarh 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers", arXiv 2210.17323): one linear layer ``W`` ``[out, in]`` quantised
+column by column, each column's rounding error spread over the columns not yet quantised, so that the
+layer-output error ``‖(W − Ŵ) X‖²`` on the calibration inputs ``X`` (``H = X Xᵀ / n``) is small::
+
+    H ← H + λ·mean(diag H)·I                       (λ = damp, the paper's percdamp)
+    U = chol(H⁻¹)ᵀ (upper)                         (Cholesky of the inverse Hessian)
+    for column j (in order; act_order: by decreasing H_jj):
+        ŵ_j = Q(w_j),  e_j = (w_j − ŵ_j) / U_jj,   w_k ← w_k − e_j U_jk   for every k > j
+
+with the lazy batch updates of the paper: inside a ``block`` of columns the update touches only the
+block; the rest of ``W`` receives ``E_block U_block,rest`` in one matrix product when the block ends.
+
+``Q`` is the grid of :mod:`moecompress.methods.scalar_quant` (the ``rtn`` layout): per output row and
+group of ``group_size`` *consecutive* input channels a float16 scale and a uint8 zero point
+(asymmetric: range widened to hold 0; symmetric: ``z = 2^(b−1)``). Without ``act_order`` a group's
+scale and zero point are computed when the group starts, from the columns as updated so far (the
+paper). The block is rounded down to a multiple of the group size so a group never straddles two
+blocks (the reference code reads a stale copy of a group that starts mid-block; we do not). With
+``act_order`` columns are processed by decreasing ``H_jj`` and the permutation is undone afterwards;
+since the layout's groups are consecutive original channels, the groups' scales are then computed
+from the original ``W`` before any column is quantised ("static groups", GPTQModel's
+``static_groups``, llm-compressor's ``actorder: weight``). ``static_groups=True`` without
+``act_order`` does the same in natural order (what llm-compressor does for every group strategy).
+
+Input channels that saw no calibration input (``H_jj = 0``) get ``H_jj = 1`` and are rounded like
+any other (the paper zeroes them; a channel the calibration missed may still carry input later). A
+zero ``H`` therefore gives exactly round-to-nearest, as does any diagonal ``H`` (no coupling between
+columns): that is the oracle. Arithmetic: ``H⁻¹`` and its Cholesky factor in float64, the column loop
+in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecompress.errors import MethodError
+from moecompress.layouts.bitpack import BITS
+from moecompress.methods.scalar_quant import _FP16_MAX, group_width
+
+
+def _group_params(
+    w: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float16 scale, its float32 divisor (``s`` or 1 where ``s = 0``) and the float32 zero point of
+    the rows of ``w`` ``[out, g]`` (one group): the formulas of :func:`scalar_quant.quantize`."""
+    qmax = (1 << bits) - 1
+    if symmetric:
+        raw = w.abs().amax(-1) / ((1 << (bits - 1)) - 1)
+    else:
+        lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        raw = (hi - lo) / qmax
+    if raw.numel() and (not bool(torch.isfinite(raw).all()) or float(raw.max()) > _FP16_MAX):
+        raise MethodError(
+            "GPTQ: weights are too large (or not finite) for float16 group scales; check the checkpoint for "
+            "inf/NaN or raise damp if the Hessian is ill-conditioned"
+        )
+    scales = raw.to(torch.float16)
+    s = scales.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    if symmetric:
+        z = torch.full_like(s, float(1 << (bits - 1)))
+    else:
+        z = torch.clamp(torch.round(-lo / safe), 0, qmax)
+    return scales, safe, z
+
+
+def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """``U = chol((H + damp·mean(diag H)·I)⁻¹)ᵀ`` (upper triangular, float64), dead channels
+    (``H_jj = 0``) given ``H_jj = 1``; raises :class:`MethodError` when ``H`` is not positive definite."""
+    h = h.double().clone()
+    diag = torch.diagonal(h)
+    dead = diag <= 0
+    if bool(dead.any()):
+        h[dead, :] = 0
+        h[:, dead] = 0
+        diag[dead] = 1
+    diag += damp * float(diag.mean())
+    try:
+        low = torch.linalg.cholesky(h)
+        hinv = torch.cholesky_inverse(low)
+        return torch.linalg.cholesky(hinv, upper=True)
+    except RuntimeError:  # torch.linalg.LinAlgError
+        raise MethodError(
+            f"GPTQ: the Hessian (input covariance, {h.shape[0]} channels) is not positive definite after "
+            f"damp={damp}; raise damp (e.g. 0.1) or calibrate on more tokens"
+        ) from None
+
+
+def gptq_quantize(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    bits: int,
+    group_size: int = -1,
+    symmetric: bool = False,
+    act_order: bool = False,
+    damp: float = 0.01,
+    block: int = 128,
+    static_groups: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GPTQ of ``w`` ``[out, in]`` with Hessian ``h`` ``[in, in]`` (``E[x xᵀ]``; any positive multiple
+    gives the same result): uint8 codes ``[out, in]`` (unpacked, original column order), float16 scales
+    ``[out, G]`` and uint8 zero points ``[out, G]`` (``None`` if ``symmetric``), exactly the
+    representation of :func:`moecompress.methods.scalar_quant.quantize` (decode with its ``dequantize``).
+    ``static_groups`` (default: ``act_order``) computes every group's scale from the original ``w``."""
+    if bits not in BITS:
+        raise MethodError(f"GPTQ: bits={bits} is not supported; use one of {BITS}")
+    if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
+        raise MethodError(
+            f"GPTQ needs W [out, in] and H [in, in]; got W {tuple(w.shape)} and H {tuple(h.shape)}"
+        )
+    if not 0 <= damp < 10 or block < 1:
+        raise MethodError(f"GPTQ: damp={damp} must be in [0, 10) and block={block} at least 1")
+    if not bool(torch.isfinite(h).all()):
+        raise MethodError("GPTQ: the Hessian holds inf/NaN; the calibration inputs are not finite")
+    static = act_order if static_groups is None else static_groups
+    if act_order and not static:
+        raise MethodError(
+            "GPTQ: act_order needs static groups (scales from the original weights): the rtn layout's groups "
+            "are consecutive input channels"
+        )
+    out, inn = w.shape
+    gs = group_width(inn, group_size)
+    qmax = (1 << bits) - 1
+    wf = w.detach().float().clone()
+    n_groups = inn // gs
+    scales = torch.zeros(out, n_groups, dtype=torch.float16, device=w.device)
+    zeros = torch.zeros(out, n_groups, dtype=torch.float32, device=w.device)
+    safes = torch.ones(out, n_groups, dtype=torch.float32, device=w.device)
+    if static:
+        for g in range(n_groups):
+            scales[:, g], safes[:, g], zeros[:, g] = _group_params(
+                wf[:, g * gs : (g + 1) * gs], bits, symmetric
+            )
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diagonal(h).double(), descending=True, stable=True)
+        wf = wf[:, perm]
+        h = h[perm][:, perm]
+    u = inverse_hessian_factor(h, damp).float()
+    group_of = (perm if perm is not None else torch.arange(inn, device=w.device)) // gs
+    blk = max(block // gs, 1) * gs if not static and gs < inn else block  # groups inside one block
+    wt = wf.T.contiguous()  # [in, out]: column j of W is the contiguous row wt[j]
+    codes = torch.zeros(inn, out, dtype=torch.float32, device=w.device)
+    scale_t, safe_t, zero_t = scales.float().T.contiguous(), safes.T.contiguous(), zeros.T.contiguous()
+    groups = group_of.tolist()
+    dinv = (1.0 / torch.diagonal(u)).tolist()
+    for i1 in range(0, inn, blk):
+        i2 = min(i1 + blk, inn)
+        w1 = wt[i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = groups[col]
+            if not static and col % gs == 0:  # the group as updated so far (it may run past the block)
+                cur = torch.cat([w1[i : i + gs], wt[i2 : col + gs]]).T
+                sc, sf, zz = _group_params(cur, bits, symmetric)
+                scales[:, g] = sc
+                scale_t[g], safe_t[g], zero_t[g] = sc.float(), sf, zz
+            wc, z = w1[i], zero_t[g]
+            q = torch.clamp(torch.round(wc / safe_t[g]) + z, 0, qmax)
+            codes[col] = q
+            e = (wc - (q - z) * scale_t[g]) * dinv[col]
+            w1[i + 1 :].addr_(u1[i, i + 1 :], e, alpha=-1)
+            err1[i] = e
+        wt[i2:].addmm_(u[i1:i2, i2:].T, err1, alpha=-1)
+    codes = codes.T
+    zeros = zero_t.T.contiguous()
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    return codes.to(torch.uint8).contiguous(), scales, None if symmetric else zeros.to(torch.uint8)
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """``tr((W − Ŵ) H (W − Ŵ)ᵀ) / tr(W H Wᵀ)``: the relative layer-output error ``‖(W − Ŵ)X‖² / ‖WX‖²``
+    for inputs with second moment ``H`` (0 when ``W H Wᵀ`` vanishes)."""
+    d = w.double() - w_hat.double()
+    hd = h.double()
+    den = float(((w.double() @ hd) * w.double()).sum())
+    return float(((d @ hd) * d).sum()) / den if den > 0 else 0.0

@@ -1,0 +1,252 @@
+"""gptq pass and maths: RTN oracles, on-grid round trips, output error below RTN's, act-order
+permutation, fallback and protection, the statistics it needs, end to end with load and export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import reference_logits, save_tiny
+from transformers import AutoModelForCausalLM
+
+import moecompress as mc
+from moecompress.engine.spec import LayerStats
+from moecompress.errors import MethodError, PassError, RecipeError
+from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
+from moecompress.layouts.dense import Dense
+from moecompress.layouts.rtn import RTN
+from moecompress.methods.gptq import gptq_quantize, output_error
+from moecompress.methods.scalar_quant import dequantize, quantize
+from moecompress.passes import BUILTIN_PASSES
+from moecompress.passes.gptq import GptqConfig, gptq
+from moecompress.passes.rtn import RtnConfig, rtn
+from moecompress.testing import layer_statistics
+
+CAL = {"source": "random", "samples": 8, "seq_len": 16, "batch_size": 4}
+IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _spd(n: int, seed: int = 0, rank: int | None = None) -> torch.Tensor:
+    """A correlated second moment ``X Xᵀ / m`` of ``n`` channels (low-rank structure plus noise)."""
+    g = torch.Generator().manual_seed(seed)
+    r = rank or max(n // 4, 2)
+    x = torch.randn(n, r, generator=g) @ torch.randn(r, 8 * n, generator=g) + 0.2 * torch.randn(
+        n, 8 * n, generator=g
+    )
+    x = x * torch.rand(n, 1, generator=g).add(0.2)  # channels of different scales
+    return x @ x.T / x.shape[1]
+
+
+def _on_grid(bits: int, gs: int, symmetric: bool, out: int = 6, inn: int = 32, seed: int = 0) -> torch.Tensor:
+    """Weights ``(q − z)·s`` on the rtn grid, every group reaching the ends of its range (so the scale and
+    zero point the quantiser computes are the ones used), power-of-two scales (exact in float16)."""
+    g = torch.Generator().manual_seed(seed)
+    groups, qmax = inn // gs, (1 << bits) - 1
+    if symmetric:
+        z = torch.full((out, groups), 1 << (bits - 1))
+        lo, hi = 1, qmax
+    else:
+        z = torch.randint(0, qmax + 1, (out, groups), generator=g)
+        lo, hi = 0, qmax
+    q = torch.randint(lo, hi + 1, (out, groups, gs), generator=g)
+    q[..., 0], q[..., 1] = lo, hi
+    s = 2.0 ** -torch.randint(3, 12, (out, groups), generator=g).float()
+    return ((q - z[..., None]).float() * s[..., None]).reshape(out, inn)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_weights_on_the_grid_come_back_exactly_for_any_hessian(bits, symmetric, act_order):
+    for gs in (8, -1):
+        w = _on_grid(bits, 32 if gs == -1 else gs, symmetric)
+        codes, scales, zeros = gptq_quantize(w, _spd(32, seed=bits), bits, gs, symmetric, act_order)
+        assert torch.equal(dequantize(codes, scales, zeros, bits), w), (bits, gs)
+        assert (zeros is None) == symmetric
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("gs", [8, 16, -1])
+def test_diagonal_or_zero_hessian_is_exactly_rtn(gs, symmetric, act_order):
+    """No coupling between columns (H diagonal, in particular H = I; or H = 0: no calibration input) means
+    no error to spread: codes, scales and zero points are RTN's bit for bit, in the original column order
+    (with act_order the columns are visited in another order and must be put back)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(12, 48, generator=g)
+    want = quantize(w, 3, gs, symmetric)
+    for h in (torch.eye(48), torch.diag(torch.rand(48, generator=g) + 0.01), torch.zeros(48, 48)):
+        got = gptq_quantize(w, h, 3, gs, symmetric, act_order, block=16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert (got[2] is None and want[2] is None) or torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_layer_output_error_is_well_below_rtn_on_correlated_inputs(bits):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    h = _spd(256, seed=3)
+    q, s, z = quantize(w, bits, 64, False)
+    rtn_err = output_error(w, dequantize(q, s, z, bits), h)
+    for act_order in (False, True):
+        for block in (128, 32):
+            q, s, z = gptq_quantize(w, h, bits, 64, False, act_order, block=block)
+            err = output_error(w, dequantize(q, s, z, bits), h)
+            assert err < 0.6 * rtn_err, (bits, act_order, block, err, rtn_err)
+    # ... and GPTQ's weights are further from W than RTN's (it trades weight error for output error)
+    assert (dequantize(q, s, z, bits) - w).norm() > (
+        dequantize(*quantize(w, bits, 64, False), bits) - w
+    ).norm()
+
+
+def test_output_error_is_measured_on_inputs():
+    """``output_error`` is ‖(W − Ŵ)X‖² / ‖WX‖² for H = X Xᵀ."""
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(8, 16, generator=g), torch.randn(16, 100, generator=g)
+    w_hat = w + 0.1 * torch.randn(8, 16, generator=g)
+    want = float(((w - w_hat) @ x).norm() ** 2 / (w @ x).norm() ** 2)
+    assert output_error(w, w_hat, x @ x.T) == pytest.approx(want, rel=1e-5)  # want in float32
+
+
+def test_act_order_follows_the_channels_when_they_are_permuted():
+    """With act_order the visiting order depends only on diag H, so permuting the input channels of W and H
+    together permutes the codes and nothing else (one group per row: the group does not move); and the
+    order matters: without act_order the codes differ."""
+    g = torch.Generator().manual_seed(5)
+    w, h = torch.randn(16, 40, generator=g), _spd(40, seed=6)
+    perm = torch.randperm(40, generator=g)
+    a = gptq_quantize(w, h, 3, -1, False, True)
+    b = gptq_quantize(w[:, perm], h[perm][:, perm], 3, -1, False, True)
+    assert torch.equal(b[0], a[0][:, perm]) and torch.equal(b[1], a[1]) and torch.equal(b[2], a[2])
+    plain = gptq_quantize(w, h, 3, -1, False, False)
+    assert not torch.equal(plain[0], a[0])
+
+
+def test_bad_inputs_are_one_line_errors():
+    w, h = torch.randn(4, 8), torch.eye(8)
+    with pytest.raises(MethodError, match="W \\[out, in\\] and H \\[in, in\\]"):
+        gptq_quantize(w, torch.eye(7), 4)
+    with pytest.raises(MethodError, match="bits=5 is not supported"):
+        gptq_quantize(w, h, 5)
+    with pytest.raises(MethodError, match="inf/NaN"):
+        gptq_quantize(w, h * float("nan"), 4)
+    singular = torch.ones(8, 8)  # rank one: not positive definite without damping
+    with pytest.raises(MethodError, match=r"not positive definite after damp=0\.0; raise damp"):
+        gptq_quantize(w, singular, 4, damp=0.0)
+    gptq_quantize(w, singular, 4, damp=0.01)  # damping makes it definite
+
+
+E, W, H = 4, 16, 32
+
+
+def _layer(seed=0, protected=frozenset()) -> MoELayer:
+    g = torch.Generator().manual_seed(seed)
+    bank = ExpertBank(Dense(torch.randn(E, W, H, generator=g)), Dense(torch.randn(E, W, H, generator=g)),
+                      Dense(torch.randn(E, H, W, generator=g)))  # fmt: skip
+    spec = RouterSpec(num_experts=E, top_k=2, gating=Gating.SOFTMAX_TOPK, norm_topk=True)
+    return MoELayer(0, spec, torch.randn(E, H, generator=g), bank, protected=protected)
+
+
+def _stats(layer: MoELayer, dead: int | None = None) -> LayerStats:
+    s = layer_statistics(layer, {"expert_in_cov", "down_in_cov"}, tokens=256)
+    if dead is not None:  # an expert no calibration token reached
+        s["expert_in_cov"][dead] = 0
+        s["down_in_cov"][dead] = 0
+    return LayerStats(0, s, frozenset({"expert_in_cov", "down_in_cov"}))
+
+
+def test_pass_protects_falls_back_to_rtn_and_beats_rtn_on_the_routed_inputs():
+    layer = _layer(protected=frozenset({1}))
+    stats = _stats(layer, dead=3)
+    cfg = GptqConfig(bits=3, group_size=16)
+    new, info = gptq(layer, stats, cfg)
+    ref, _ = rtn(layer, LayerStats(0), RtnConfig(bits=3, group_size=16))
+    for p in ("gate", "up", "down"):
+        lay = getattr(new.experts, p)
+        assert isinstance(lay, RTN) and lay.group_size == 16 and lay.bits == 3
+        assert torch.equal(lay.expert(1), getattr(layer.experts, p).expert(1))  # protected: exact
+        assert torch.equal(lay.expert(3), getattr(ref.experts, p).expert(3))  # no tokens: rtn
+        assert not torch.equal(lay.expert(0), getattr(ref.experts, p).expert(0))
+    assert info["rtn_fallback"] == [3] and info["protected"] == [1] and info["quantised_experts"] == 3
+    for p in ("gate", "up", "down"):
+        assert info["output_error"][p] < info["output_error_rtn"][p], (p, info)
+    assert info["bytes_after"] == sum(getattr(ref.experts, p).nbytes() for p in ("gate", "up", "down"))
+    # the statistics: gate/up read E[x xᵀ] over the expert's routed tokens, whose diagonal is Wanda's E[x²]
+    s = layer_statistics(
+        layer, {"expert_in_cov", "expert_in_sq_mean", "expert_counts", "input_cov"}, tokens=256
+    )
+    torch.testing.assert_close(torch.diagonal(s["expert_in_cov"], dim1=1, dim2=2), s["expert_in_sq_mean"])
+    summary = BUILTIN_PASSES["gptq"].summarize({0: info}, cfg)
+    assert (
+        summary["summary"]["rtn_fallback"] == {"0": [3]}
+        and "no calibration tokens" in summary["warnings"][-1]
+    )
+
+
+def test_pass_refuses_bad_statistics_and_layouts():
+    layer = _layer()
+    bad = LayerStats(0, {"expert_in_cov": torch.zeros(E, H - 1, H - 1), "down_in_cov": torch.zeros(E, W, W)},
+                     frozenset({"expert_in_cov", "down_in_cov"}))  # fmt: skip
+    with pytest.raises(
+        PassError, match=r"statistic expert_in_cov has shape \[4, 31, 31\], expected \[4, 32, 32\]"
+    ):
+        gptq(layer, bad, GptqConfig(bits=4, group_size=16))
+    quantised, _ = rtn(layer, LayerStats(0), RtnConfig(bits=4, group_size=16))
+    with pytest.raises(PassError, match=r"gptq quantises dense .* got layout 'rtn'"):
+        gptq(quantised, _stats(layer), GptqConfig(bits=4))
+    with pytest.raises(PassError, match="raise damp"):
+        sing = LayerStats(0, {"expert_in_cov": torch.ones(E, H, H), "down_in_cov": torch.ones(E, W, W)},
+                          frozenset({"expert_in_cov", "down_in_cov"}))  # fmt: skip
+        gptq(layer, sing, GptqConfig(bits=4, damp=0.0))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gptq") / "m"
+    save_tiny("qwen3_moe", path, num_hidden_layers=2)
+    return path
+
+
+def test_recipe_runs_loads_and_exports(tiny_qwen, tmp_path):
+    out = tmp_path / "out"
+    mc.apply({"model": str(tiny_qwen), "output": str(out), "calibration": CAL,
+              "steps": [{"gptq": {"bits": 4, "group_size": 16, "symmetric": True, "act_order": True}}]},
+             progress=False)  # fmt: skip
+    rep = json.loads((out / "steps" / "01-gptq" / "report.json").read_text())
+    s = rep["summary"]
+    assert s["bits"] == 4 and s["act_order"] and s["group_sizes_used"] == [16]
+    for i, err in s["output_error"].items():
+        assert err < s["output_error_rtn"][i], (i, err, s["output_error_rtn"])
+    cfg = json.loads((out / "config.json").read_text())
+    desc = cfg["moecompress"]["layers"]["0"]["experts"]["gate"]
+    assert desc["kind"] == "rtn" and desc["bits"] == 4 and desc["group_size"] == 16 and desc["symmetric"]
+    model = mc.load(out)
+    with torch.no_grad():
+        got = model(IDS).logits
+        again = AutoModelForCausalLM.from_pretrained(out)(IDS).logits
+    torch.testing.assert_close(got, reference_logits(tiny_qwen, out, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, got)
+    pytest.importorskip("compressed_tensors")
+    from moecompress.io.compressed_tensors import export
+
+    ct = export(out, tmp_path / "ct", progress=False)
+    loaded = AutoModelForCausalLM.from_pretrained(ct)
+    ckpt = mc.open_checkpoint(out)
+    for i in ckpt.moe_layer_indices:  # the loaded experts are the gptq layout's decoded weights
+        bank = ckpt.read_layer(i).experts
+        experts = loaded.model.layers[i].mlp.experts
+        assert torch.equal(experts.gate_up_proj, torch.cat([bank.gate.dense(), bank.up.dense()], 1)), i
+        assert torch.equal(experts.down_proj, bank.down.dense()), i
+
+
+def test_recipe_errors_and_needs(tiny_qwen, tmp_path):
+    rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "calibration": CAL}
+    with pytest.raises(RecipeError, match=r"step 1 \(gptq\): field 'bits': bits must be 8, 4, 3 or 2"):
+        mc.apply({**rec, "steps": [{"gptq": {"bits": 5}}]}, dry_run=True)
+    with pytest.raises(RecipeError, match=r"step 1 \(gptq\): field 'damp'"):
+        mc.apply({**rec, "steps": [{"gptq": {"damp": -1}}]}, dry_run=True)
+    with pytest.raises(PassError, match=r"step 1 \(gptq\), layer 0: group_size=48 does not divide"):
+        mc.apply({**rec, "steps": [{"gptq": {"group_size": 48}}]}, dry_run=True)
+    assert not (tmp_path / "o").exists()
+    assert BUILTIN_PASSES["gptq"].needs_for(GptqConfig()) == {"expert_in_cov", "down_in_cov"}
