@@ -139,7 +139,9 @@ def decode_speed(path: Path, rounds: int = 3) -> list[dict]:
         runs = {"off": None,
                 "top-k": {"sere": {"select_top": top_k, "threshold": 2.0}},
                 "sere S=1 rho=0.1": {"sere": {"select_top": 1, "threshold": 0.1}},
-                "sere S=2 rho=0.1": {"sere": {"select_top": 2, "threshold": 0.1}}}  # fmt: skip
+                "sere S=2 rho=0.1": {"sere": {"select_top": 2, "threshold": 0.1}},
+                "sere S=1, all re-routed": {"sere": {"select_top": 1, "threshold": -2.0}},
+                "sere S=2, all re-routed": {"sere": {"select_top": 2, "threshold": -2.0}}}  # fmt: skip
         best = {k: float("inf") for k in runs}
         experts = {}
         for _ in range(rounds):
