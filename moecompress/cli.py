@@ -97,6 +97,21 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routing_arg(text: str | None):
+    """``--routing``: ``off``, ``stored`` or a JSON object of policy knobs (``docs/routing.md``)."""
+    if text is None or text in ("off", "stored"):
+        return text
+    from moecompress.errors import RoutingError
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise RoutingError(
+            f"--routing {text!r} is not off, stored or JSON such as '{{\"capacity_drop\": {{\"gamma\": 1.5}}}}'"
+        ) from None
+    return value
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -126,6 +141,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         tasks=args.tasks,
         task_dir=args.task_dir,
         limit=args.limit,
+        routing=_routing_arg(args.routing),
     )
     text = json.dumps(result, indent=2)
     if args.json:
@@ -263,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--task-dir", metavar="DIR", help="directory of lm-eval task YAML configs (with --tasks)")
     ev.add_argument("--limit", type=int, metavar="N", help="at most N documents per lm-eval task")
+    ev.add_argument(
+        "--routing",
+        metavar="POLICY",
+        help="routing policies of MODEL: off, stored (default) or JSON knobs, e.g. "
+        "'{\"capacity_drop\": {\"gamma\": 1.5}}' (docs/routing.md)",
+    )
     ev.add_argument(
         "--card", action="store_true", help="rewrite MODEL/README.md (the model card) with these results"
     )

@@ -211,3 +211,18 @@ def test_protected_experts_keep_every_token_at_run_time(qwen, tmp_path):
     logits(model, ids)
     assert int(mods[0].loads_after[busiest]) == int(mods[0].loads_before[busiest])
     assert mods[0].counts["dropped"] > 0
+
+
+def test_evaluate_with_routing_reports_the_policies_in_force(qwen, capsys):
+    from moecompress.cli import main as cli_main
+
+    ev = {"token_source": "random", "max_tokens": 128, "seq_len": 32}
+    stored = mc.evaluate(qwen / "policy", **ev)
+    off = mc.evaluate(qwen / "policy", routing="off", **ev)
+    base = mc.evaluate(qwen / "base", **ev)
+    assert set(stored["routing"]["0"]) == {"capacity_drop", "sere"} and "routing" not in off
+    assert off["perplexity"] == base["perplexity"] != stored["perplexity"]
+    capsys.readouterr()  # the loads' progress bars
+    assert cli_main(["eval", str(qwen / "policy"), "--routing", "{bad", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --routing '{bad'") and err.count("\n") == 1

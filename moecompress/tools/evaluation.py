@@ -70,6 +70,7 @@ def evaluate(
     tasks=None,
     task_dir=None,
     limit: int | None = None,
+    routing=None,
 ) -> dict:
     """Evaluate ``model`` (a checkpoint directory, Hub id or loaded transformers model) on held-out text.
 
@@ -80,7 +81,9 @@ def evaluate(
     (through :func:`moecompress.load`); loaded models are used where they are. See the module docstring
     for the windows and the metrics. ``tasks``: lm-eval task names (bundled, lm-eval's own, or YAML
     configs in ``task_dir``), run on the same loaded model(s) with at most ``limit`` documents each
-    (:mod:`moecompress.tools.lm_eval`).
+    (:mod:`moecompress.tools.lm_eval`). ``routing``: the evaluated model's routing policies
+    (``"off"``, ``"stored"`` or knobs, :func:`moecompress.set_routing`); the policies in force are reported
+    under ``routing``.
     """
     _check_sizes(max_tokens, seq_len, batch_size)
     if tasks is not None:
@@ -109,6 +112,7 @@ def evaluate(
     if against is not None:
         _check_model(against, base_dir, windows, seq_len)
     net = _load(model, model_dir, dtype, device)
+    in_force = _routing(net, routing)
     base = _load(against, base_dir, dtype, device) if against is not None else None
     with _eval_mode(net), _eval_mode(base):
         sums = _run(net, base, windows, batch_size, progress)
@@ -131,6 +135,8 @@ def evaluate(
         "seconds": sums["seconds"],
         "tokens_per_second": fed / sums["seconds"] if sums["seconds"] > 0 else None,
     }
+    if in_force:
+        out["routing"] = in_force
     if base is not None:
         out.update(
             base_loss=sums["base_nll"] / scored,
@@ -228,6 +234,15 @@ def _name(model) -> str:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
         return name or type(model).__name__
     return str(model)
+
+
+def _routing(net, routing) -> dict[str, dict]:
+    """Apply ``routing`` (``None``: what the model carries) to the evaluated model; the policies in force."""
+    from moecompress.runtime.routing import policies, set_routing
+
+    if routing is not None:
+        set_routing(net, routing)
+    return {str(i): m.policy for i, m in policies(net).items() if m.policy}
 
 
 def _load(model, directory: Path | None, dtype, device) -> torch.nn.Module:
