@@ -97,6 +97,9 @@ class RoutingPolicy(nn.Module):
         if probs is not None and probs.shape[0] != ids.shape[0]:
             probs = None
         sim = self.stored_similarity
+        b, s = self._shape
+        if b * s != ids.shape[0]:  # experts called without their block (no batch shape seen): one sequence
+            self._shape = (1, int(ids.shape[0]))
         new_ids, new_w, c = apply_policy(
             self.policy, ids, weights, probs, num_experts=self.num_experts, top_k=self.top_k, batch_shape=self._shape,
             similarity=None if sim is None else sim.to(ids.device), protected=self.protected_mask.to(ids.device),
