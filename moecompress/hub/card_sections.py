@@ -342,7 +342,8 @@ def _serving_section(out_dir: Path, loadability: str) -> list[str]:
     cpu, cpu_why = vllm_servable(cfg, descs or {}, platform="cpu")
     return [
         f"**vLLM {_cell(VLLM_VERSION)}:** {'serves it' if gpu else 'not servable'} ({_cell(why)}); its CPU build: "
-        f"{'yes' if cpu else 'no'} ({_cell(cpu_why)}). By moecompress's servability rules (docs/format.md).",
+        f"{'yes' if cpu else 'no'} ({'the same' if cpu_why == why else _cell(cpu_why)}). "
+        "By moecompress's servability rules (docs/format.md).",
         "",
     ]
 
