@@ -440,7 +440,9 @@ def _mutate(data, d: dict, model: Path) -> None:
             if not isinstance(node.get(p), dict):
                 node[p] = {}
             node = node[p]
-        node[path[-1]] = data.draw(choices[path], label="valid value")
+        # copies: a drawn value may be a shared constant that a later mutation would edit in place,
+        # which would make the next example's strategies differ (hypothesis: FlakyStrategyDefinition)
+        node[path[-1]] = copy.deepcopy(data.draw(choices[path], label="valid value"))
         return
     if op == "insert":
         where = data.draw(st.sampled_from(_containers(d)), label="into")
@@ -448,9 +450,9 @@ def _mutate(data, d: dict, model: Path) -> None:
             key = data.draw(st.one_of(KEYS, st.sampled_from(list(d) or ["model"]).map(str)), label="new key")
             if data.draw(st.booleans(), label="typo key") and key:
                 key = _typo(data, key)
-            where[key] = data.draw(GARBAGE, label="value")
+            where[key] = copy.deepcopy(data.draw(GARBAGE, label="value"))
         else:
-            where.insert(data.draw(st.integers(0, len(where))), data.draw(GARBAGE, label="item"))
+            where.insert(data.draw(st.integers(0, len(where))), copy.deepcopy(data.draw(GARBAGE, label="item")))
         return
     if op == "step_name":
         steps = d.get("steps")
@@ -487,10 +489,13 @@ def _mutate(data, d: dict, model: Path) -> None:
         else:
             node[key] = {str(key): value}
     else:  # replace (and a typo on a list index)
-        node[key] = data.draw(GARBAGE, label="value")
+        node[key] = copy.deepcopy(data.draw(GARBAGE, label="value"))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI runs the same 300 examples on every machine. To explore further, set it to False here and
+# run `pytest tests/test_recipe_errors.py -k mutated --hypothesis-seed=N` (seeds 1-11 passed on 2026-12-01).
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(data=st.data())
 def test_mutated_recipes_fail_with_one_line(tiny_model, tmp_path, monkeypatch, data):
     monkeypatch.chdir(tmp_path)  # relative paths in mutated recipes land here; nothing may appear
