@@ -25,7 +25,7 @@ from moecompress.errors import CheckpointError
 from moecompress.io.format import compressed_keys, stock_keys
 from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
 from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
-from moecompress.io.routing import check_routing, policy_dict, read_routing, routing_prefix, routing_tensors
+from moecompress.io.routing import check_routing, policy_dict, read_routing, routing_tensors, without_routing
 from moecompress.io.verify import layer_problem, read_block
 from moecompress.ir import MoELayer
 
@@ -98,13 +98,12 @@ class Checkpoint:
     def read_layer_with(self, i: int, fetch) -> MoELayer:
         """MoE layer ``i`` with tensors from ``fetch(names) -> {name: tensor}`` (e.g. meta tensors)."""
         desc = self.layouts.get(i)
-        keys = [k for k in self.reader.keys if not k.startswith(f"{routing_prefix(self.adapter, i)}.")]
         if desc is not None:
             from moecompress.io.format import read_compressed_layer
 
             layer = read_compressed_layer(self.adapter, i, desc, fetch)
         else:
-            layer = self.adapter.read_layer(i, keys, fetch)
+            layer = self.adapter.read_layer(i, self.reader.keys, fetch)
         changes: dict = {}
         if self.protected.get(i):
             changes["protected"] = self.protected[i]
@@ -234,8 +233,7 @@ def open_checkpoint(
 def check_moe_layer(adapter, i: int, desc: dict | None, reader: ShardReader) -> list[str]:
     """Validate MoE layer ``i`` from headers (stock names, or the moecompress format when described)."""
     if desc is None:
-        keys = [k for k in reader.keys if not k.startswith(f"{routing_prefix(adapter, i)}.")]
-        return adapter.check_layer(i, keys, reader.shape)
+        return adapter.check_layer(i, without_routing(adapter, i, reader.keys), reader.shape)
     problem = layer_problem(adapter, i, desc, reader)
     if problem is not None:
         raise problem.error(f"{adapter.model_type} (moecompress format)")

@@ -129,6 +129,13 @@ def routing_prefix(adapter, i: int) -> str:
     return f"{adapter.layer_prefix(i)}{adapter.module_attr}.routing"
 
 
+def without_routing(adapter, i: int, keys) -> list[str]:
+    """``keys`` without layer ``i``'s routing-policy tensors (checked by :func:`check_routing`, not by the
+    adapter, which refuses names it does not know)."""
+    own = f"{routing_prefix(adapter, i)}."
+    return [k for k in keys if not k.startswith(own)]
+
+
 def routing_tensors(adapter, i: int, policy: dict[str, Any] | None) -> dict[str, tuple[int, ...]]:
     """The tensors a layer's policy stores: ``{name: shape}`` (SERE's similarity, float32)."""
     if not policy or "sere" not in policy:

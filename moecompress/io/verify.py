@@ -33,7 +33,7 @@ import torch
 from moecompress.errors import CheckpointError, MoecompressError
 from moecompress.io.format import FORMAT_VERSION, PROJ, read_compressed_layer, stock_keys
 from moecompress.io.reader import SAFETENSORS_DTYPES
-from moecompress.io.routing import check_routing, read_routing, routing_prefix
+from moecompress.io.routing import check_routing, read_routing, without_routing
 from moecompress.ir import Act
 from moecompress.layouts import LAYOUTS
 
@@ -342,8 +342,7 @@ def _agree(experts: dict, hidden: int, field: str) -> None:
 
 def _check_stock(adapter, i: int, reader) -> None:
     try:
-        own = f"{routing_prefix(adapter, i)}."  # a routing policy's tensors are checked by check_routing
-        adapter.check_layer(i, [k for k in reader.keys if not k.startswith(own)], reader.shape)
+        adapter.check_layer(i, without_routing(adapter, i, reader.keys), reader.shape)
     except MoecompressError as err:
         prefix = f"{adapter.experts_key(i)}."
         ours = [k for k in reader.keys if k.startswith(prefix) and k[len(prefix) :].startswith(_FORMAT_PARTS)]

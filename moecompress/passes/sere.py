@@ -38,6 +38,11 @@ class SereConfig(SerePolicy, PassConfig):
     tokens: int = Field(512, ge=2, description="calibration MoE inputs each expert runs on (from io_sample)")
 
 
+def _knobs(cfg: SereConfig) -> dict:
+    """The stored policy: the config without the compress-time ``tokens``."""
+    return SerePolicy(**cfg.model_dump(exclude={"tokens"})).model_dump(mode="json")
+
+
 def logical_outputs(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """``[E_logical, N, H]`` fp32: every router expert's output on ``x`` (a merged expert's physical one)."""
     bank = layer.experts
@@ -50,7 +55,7 @@ def sere(layer: MoELayer, stats: LayerStats, cfg: SereConfig) -> tuple[MoELayer,
     x = stats["io_sample_x"][: cfg.tokens]
     x = x.to(layer.router_weight.dtype if layer.router_weight.is_floating_point() else torch.float32)
     s = expert_similarity(logical_outputs(layer, x), cfg.similarity)
-    knobs = SerePolicy(**cfg.model_dump(exclude={"tokens"})).model_dump(mode="json")
+    knobs = _knobs(cfg)
     routing = {**(layer.routing or {}), "sere": knobs}
     off = s[~torch.eye(s.shape[0], dtype=torch.bool)]
     info = {
@@ -66,7 +71,7 @@ def sere(layer: MoELayer, stats: LayerStats, cfg: SereConfig) -> tuple[MoELayer,
 
 def _emits(layer: MoELayer, cfg: SereConfig) -> MoELayer:
     e = layer.router.num_experts
-    knobs = SerePolicy(**cfg.model_dump(exclude={"tokens"})).model_dump(mode="json")
+    knobs = _knobs(cfg)
     sim = torch.empty(e, e, device="meta")
     return layer.replace(routing={**(layer.routing or {}), "sere": knobs}, routing_similarity=sim)
 

@@ -33,8 +33,7 @@ class RoutingPolicy(nn.Module):
     """The policy of one MoE block; ``record=True`` accumulates :attr:`counts` (slots, dropped,
     re-routed, experts per batch) and the per-expert loads before/after, for measurements."""
 
-    def __init__(self, policy: dict, *, router_spec, protected=(), similarity: torch.Tensor | None = None,
-                 stored_similarity: bool = False) -> None:  # fmt: skip
+    def __init__(self, policy: dict, *, router_spec, protected=(), stored_similarity: bool = False) -> None:
         super().__init__()
         self.policy = policy
         self.num_experts, self.top_k, self.gating = router_spec.num_experts, router_spec.top_k, router_spec.gating
@@ -44,8 +43,6 @@ class RoutingPolicy(nn.Module):
         self.protected_mask[sorted(int(e) for e in protected)] = True
         if stored_similarity:  # the checkpoint holds it: transformers fills this meta buffer by name
             self.register_buffer(SIMILARITY, torch.empty(self.num_experts, self.num_experts, device="meta"))
-        elif similarity is not None:
-            self.register_buffer(SIMILARITY, similarity.float())
         self.record = False
         self.counts: Counter = Counter()
         self.loads_before = torch.zeros(self.num_experts, dtype=torch.long, device="cpu")
