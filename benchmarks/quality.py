@@ -48,6 +48,11 @@ METHODS = {
     "tdmoe-output": lambda r: {"tdmoe": {"ratio": r, "whitening": "output"}},
     "tdmoe-none": lambda r: {"tdmoe": {"ratio": r, "whitening": "none"}},
     "tdmoe-adaptive": lambda r: {"tdmoe": {"ratio": r, "whitening": "input", "budget": "adaptive"}},
+    "tdmoe-structure": lambda r: {"tdmoe": {"ratio": r, "whitening": "input", "budget": "from_structure"}},
+    "decompose-auto": lambda r: {"decompose": {"method": "auto", "ratio": r}},
+    **{f"decompose-svd-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "svd_experts"}}})
+       for i in range(4)},
+    **{f"decompose-td-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "tdmoe"}}}) for i in range(4)},
     "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
     "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
     "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},
@@ -55,9 +60,38 @@ METHODS = {
     "namex-collapse": lambda r: {"namex": {"ratio": r, "router": "collapse"}},
     "namex-remap-norefine": lambda r: {"namex": {"ratio": r, "router": "remap", "refine_steps": 0}},
     "namex-collapse-norefine": lambda r: {"namex": {"ratio": r, "router": "collapse", "refine_steps": 0}},
+    "namex-hcsmoe": lambda r: {"namex": {"ratio": r, "similarity": "output", "linkage": "average"}},  # before #19
+    "namex-noalign": lambda r: {"namex": {"ratio": r, "router": "remap", "align": False}},
+    "namex-gamma0": lambda r: {"namex": {"ratio": r, "router": "remap", "gamma_grid": [0.0], "refine_steps": 0}},
+    "namex-gamma1": lambda r: {"namex": {"ratio": r, "router": "remap", "gamma_grid": [1.0], "refine_steps": 0}},
+    "namex-router-sim": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "router"}},
+    "namex-auto": lambda r: {"namex": {"target_experts": "auto", "router": "remap"}},
+    "merge-frequency-auto": lambda r: {"merge_experts": {"target_experts": "auto", "method": "frequency"}},
+    "namex-output-tokens": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "output_tokens"}},
+    "namex-output-tokens-euclid": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "output_tokens",
+                                                       "metric": "euclidean"}},
+    "namex-ward": lambda r: {"namex": {"ratio": r, "similarity": "output_tokens", "linkage": "ward"}},
+    "merge-frequency-ward": lambda r: {"merge_experts": {"ratio": r, "similarity": "output_tokens", "linkage": "ward"}},
+    "namex-router-ward": lambda r: {"namex": {"ratio": r, "similarity": "router", "linkage": "ward"}},
+    "merge-frequency-router": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "similarity": "router"}},
+    "merge-hcsmoe": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "similarity": "output",
+                                                 "linkage": "average"}},  # the default before issue 19
     "merge-average": lambda r: {"merge_experts": {"ratio": r, "method": "average", "router": "remap"}},
     "merge-frequency": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "router": "remap"}},
 }
+RR = {"router_robustness": {"epsilons": [0.0, 0.05, 0.1]}}
+METHODS.update({  # issue 19: analysis stages that change a later step (a list = a multi-step recipe)
+    "heapr-hubs2": lambda r: [{"attribute_routing": {"protect": 2}}, {"heapr": {"ratio": r, "scope": "global"}}],
+    "heapr-hubs4": lambda r: [{"attribute_routing": {"protect": 4}}, {"heapr": {"ratio": r, "scope": "global"}}],
+    "heapr-hubs8": lambda r: [{"attribute_routing": {"protect": 8}}, {"heapr": {"ratio": r, "scope": "global"}}],
+    "rr-heapr": lambda r: [RR, {"heapr": {"ratio": r, "scope": "global"}}, RR],
+    "rr-reap": lambda r: [RR, {"expert_prune": {"ratio": r, "method": "reap"}}, RR],
+    "rr-namex": lambda r: [RR, {"namex": {"ratio": r, "router": "remap"}}, RR],
+    "rr-decompose": lambda r: [RR, {"decompose": {"method": "auto", "ratio": r}}, RR],
+    **{f"namex-k{k}": (lambda r, k=k: {"namex": {"target_experts": k, "router": "remap"}}) for k in range(2, 8)},
+    **{f"merge-k{k}": (lambda r, k=k: {"merge_experts": {"target_experts": k, "method": "frequency"}})
+       for k in range(2, 8)},
+})
 QUANT = {  # one parameter: bits
     "codequant-learned": lambda b: {"codequant": {"bits": b, "rotation": "learned"}},
     "codequant-hadamard": lambda b: {"codequant": {"bits": b, "rotation": "hadamard"}},
@@ -76,6 +110,7 @@ QUANT = {  # one parameter: bits
     "gptq-g32": lambda b: {"gptq": {"bits": b, "group_size": 32, "symmetric": False}},
 }
 METHODS.update(QUANT)
+REPORT_ONLY = {"analyze", "expert_structure", "choose_groups", "router_robustness", "routing_report"}
 PRUNING = ["heapr-global", "heapr-layer", "expert-frequency", "expert-reap", "expert-random", "neuron-magnitude",
            "neuron-wanda"]  # fmt: skip
 
@@ -90,11 +125,13 @@ def removed(step: dict) -> tuple[float, float]:
 def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> dict:
     t0 = time.perf_counter()
     try:
-        res = mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": [step]},
+        steps = step if isinstance(step, list) else [step]
+        res = mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps},
                        progress=False)  # fmt: skip
         wall = time.perf_counter() - t0
-        (path,) = (out / "steps").glob("01-*/report.json")
-        report = json.loads(path.read_text())
+        reports = {p.parent.name: json.loads(p.read_text()) for p in sorted((out / "steps").glob("*/report.json"))}
+        last = next(k for k in reversed(reports) if k.split("-", 1)[1] not in REPORT_ONLY)
+        report = reports[last]
         e = mc.evaluate(out, against=base, **ev)
     finally:
         for d in (out, out.with_name(f".{out.name}.partial")):
@@ -107,6 +144,7 @@ def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> di
         "whole_model_fraction_removed": whole, "wall_s": wall,
         "calibration_s": c.get("seconds"), "calibration_cached": c.get("cached"),
         "backward": c.get("backward"), "summary": report.get("summary"), "warnings": report.get("warnings"),
+        "step_summaries": {k: r.get("summary") for k, r in reports.items()} if len(reports) > 1 else None,
     }  # fmt: skip
 
 
@@ -138,7 +176,8 @@ def main() -> None:
     have = set(BUILTIN_PASSES)
     methods = []
     for label in args.methods:
-        name = next(iter(METHODS[label](4 if label in QUANT else 0.5)))
+        first = METHODS[label](4 if label in QUANT else 0.5)
+        name = next(iter(first[-1] if isinstance(first, list) else first))
         if name in have:
             methods.append(label)
         else:

@@ -41,6 +41,17 @@ CATALOGUE: dict[str, StatInfo] = {
     "io_sample": StatInfo(
         "forward", "[N, H] x2", "first N calibration tokens' MoE inputs and outputs", ("io_sample_x", "io_sample_y")
     ),
+    "router_sample": StatInfo("forward", "[N, E]", "the io_sample tokens' router logits (routing stability)"),
+    "route_attrib": StatInfo(
+        "forward", "[C] x5, [P, E] x3, [] x2",
+        "router-logit attribution over the residual stream on the first ATTRIB_TOKENS calibration tokens "
+        "(moecompress.methods.attribution): per component (embeddings, each earlier attention / MoE / dense "
+        "layer output, this layer's attention) influence, mean positive / negative / selected sub-score and "
+        "AARV; per earlier MoE layer and expert the summed influence, AARV and count; the sum check",
+        ("route_attrib_influence", "route_attrib_aps", "route_attrib_ans", "route_attrib_selected",
+         "route_attrib_aarv", "route_attrib_hub_influence", "route_attrib_hub_aarv", "route_attrib_hub_count",
+         "route_attrib_sum_error", "route_attrib_norm_fit_error"),
+    ),
     "holdout": StatInfo("forward", "[N, H]", "the held-back tokens' MoE inputs (reconstruction errors)", ("holdout_x",)),
     "grad_sq_mean": StatInfo("backward", "[E, I]", "mean over routed tokens of (dl/dh)^2, per neuron"),
     "out_grad_cov": StatInfo("backward", "[H, H]", "E[g g^T], g = dl/d(MoE output), over all tokens"),

@@ -44,12 +44,16 @@ class StatsCollector:
         self._io: dict[str, list[torch.Tensor]] = {
             "io_sample_x": [],
             "io_sample_y": [],
+            "router_sample": [],
             "holdout_x": [],
         }
         self._absmax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights: torch.Tensor | None = None
         self._x: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
+        self._off = 0
+        self._attr: dict | None = None  # route_attrib: the traced tokens (calibration/trace.py)
+        self._attribution: dict[str, torch.Tensor] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _add(self, name: str, value: torch.Tensor, index: int | None = None) -> None:
@@ -92,8 +96,11 @@ class StatsCollector:
             return
         if self.mode != "stats":
             return
+        self._off = self._n_tokens
         self._n_tokens += x.shape[0]
         self._x = x
+        if "route_attrib" in self.names:
+            self._trace_input(x)
         if "input_cov" in self.names:
             xf = x.detach().float()
             self._add("input_cov", xf.T @ xf)
@@ -108,6 +115,10 @@ class StatsCollector:
         self._add("router_prob_mean", p.sum(0))
         self._add("router_entropy", -(p * p.clamp_min(1e-30).log()).sum())
         self._add("expert_counts", torch.bincount(ids.flatten(), minlength=logits.shape[1]).double())
+        if "router_sample" in self.names:
+            self._keep("router_sample", logits)
+        if self._attr is not None and self._off < self._attr["n"]:
+            self._attr["ids"].append(ids[: self._attr["n"] - self._off].detach().clone())
 
     def on_expert(
         self, e: int, tok: torch.Tensor, slot: torch.Tensor, h: torch.Tensor, y: torch.Tensor
@@ -121,6 +132,8 @@ class StatsCollector:
         if self.mode != "stats":
             return
         self._count("routed", e, n)
+        if self._attr is not None and self._off < self._attr["n"]:
+            self._trace_expert(tok, slot, y)
         if "act_sq_mean" in self.names:
             self._add("act_sq_mean", (h.detach().float() ** 2).sum(0), e)
         if "expert_in_sq_mean" in self.names:
@@ -150,10 +163,42 @@ class StatsCollector:
             self._absmax_update("shared_down_out", 0, 1, y)
 
     def on_output(self, out: torch.Tensor) -> None:
+        if self.mode == "stats" and self._attr is not None and self._off < self._attr["n"]:
+            self._attr["y"].append(out.detach().float()[: self._attr["n"] - self._off].clone())
         if self.mode == "stats" and "io_sample" in self.names:
             self._keep("io_sample_y", out)
         elif self.mode == "backward" and out.requires_grad and "out_grad_cov" in self.names:
             out.register_hook(self._on_grad_out)
+
+    # -- route_attrib (calibration/trace.py) ------------------------------------------------------
+    def _trace_input(self, x: torch.Tensor) -> None:
+        if self._attr is None:
+            from moecompress.methods.attribution import ATTRIB_TOKENS
+
+            k, h = self.layer.router.top_k, x.shape[-1]
+            self._attr = {"n": ATTRIB_TOKENS, "x": [], "y": [], "ids": [],
+                          "contrib": torch.zeros(ATTRIB_TOKENS, k, h)}  # fmt: skip
+        if self._off < self._attr["n"]:
+            self._attr["x"].append(x.detach().float()[: self._attr["n"] - self._off].clone())
+
+    def _trace_expert(self, tok: torch.Tensor, slot: torch.Tensor, y: torch.Tensor) -> None:
+        g = tok + self._off
+        keep = g < self._attr["n"]  # type: ignore[index]
+        if bool(keep.any()):
+            assert self._weights is not None
+            w = self._weights[tok[keep], slot[keep]].float()[:, None]
+            self._attr["contrib"][g[keep], slot[keep]] += w * y.detach().float()[keep]  # type: ignore[index]
+
+    def attribution_sample(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x [n, H], y [n, H], w·y per slot [n, k, H], logical ids [n, k])`` of the traced tokens."""
+        a = self._attr
+        if a is None or not a["x"]:
+            raise CheckpointError(f"layer {self.layer.index}: no calibration tokens reached the routing trace")
+        x, y, ids = torch.cat(a["x"]), torch.cat(a["y"]), torch.cat(a["ids"])
+        return x, y, a["contrib"][: len(x)], ids
+
+    def set_attribution(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._attribution = {k: v.float() for k, v in tensors.items()}
 
     def _on_grad_h(self, e: int, g: torch.Tensor) -> None:
         gf = g.detach().float()
@@ -201,6 +246,8 @@ class StatsCollector:
         for key, parts in self._io.items():
             if parts:
                 out[key] = torch.cat(parts)
+        if "route_attrib" in self.names:
+            out.update(self._attribution)
         if math.isnan(float(out.get("router_entropy", torch.tensor(0.0)))):
             raise CheckpointError(
                 f"layer {self.layer.index}: NaN in the router statistics (its inputs or router weights are not "

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from moecompress.calibration.catalogue import backward_needed
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.stats import StatsCollector
+from moecompress.calibration.trace import RoutingTrace
 from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
 
@@ -141,6 +142,7 @@ def run_calibration(
     kwargs = [kw for _, kw in captured]
     del captured
     n_layers = len(skel.meta_layers)
+    trace = RoutingTrace() if "route_attrib" in needs else None
     act_bytes = sum(h.numel() * h.element_size() for h in hidden) * n_layers
     store = None
     if backward:
@@ -169,6 +171,8 @@ def run_calibration(
                     outs.append(mod(x, *args, **kw))
             del mod
             _check_outputs(i, outs)
+            if trace is not None:
+                trace.after_layer(i, hidden, outs, batches.holdout, col)
             if col is not None:
                 stats = col.result()
                 save_forward(i, stats)

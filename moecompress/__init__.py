@@ -60,12 +60,13 @@ def apply(
     )  # fmt: skip
 
 
-def load(path, *, dtype=None, device="cpu", routing=None):
+def load(path, *, dtype=None, device="cpu", routing=None, dequantize=None):
     """Load a checkpoint written by moecompress (stock or compressed) as a transformers model;
-    ``routing`` switches or changes its routing policies (``docs/routing.md``)."""
+    ``routing`` switches or changes its routing policies (``docs/routing.md``); ``dequantize``
+    (``"float16"``...) decodes quantised experts once at load, memory for CPU speed (``docs/serving.md``)."""
     from moecompress.runtime.loading import load as _load
 
-    return _load(path, dtype=dtype, device=device, routing=routing)
+    return _load(path, dtype=dtype, device=device, routing=routing, dequantize=dequantize)
 
 
 def set_routing(model, routing):

@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "compressed-tensors": ("compressed_tensors",),
     "data": ("datasets",),
     "eval": ("lm_eval", "accelerate"),  # lm-eval's HFLM imports accelerate
+    "kernels": ("triton",),
 }
 """Extra name -> the modules it provides (``pyproject.toml``'s optional-dependencies)."""
 

@@ -155,6 +155,11 @@ def layer_statistics(layer, needs, *, tokens: int = 192, seed: int = 0, sample_t
             fwd.mode = mode
             fwd.on_input(part)
             fwd.on_output(moe_forward(layer, part, fwd))
+    if "route_attrib" in needs:  # one layer as the whole stream: x is layer 0's input and its MoE input
+        from moecompress.calibration.trace import RoutingTrace
+
+        part = x[: 3 * tokens // 4]
+        RoutingTrace().after_layer(0, [part], [part + moe_forward(layer, part)], [False], fwd)
     out = fwd.result()
     if backward_needed(set(needs)):
         bwd = StatsCollector(layer, set(needs))

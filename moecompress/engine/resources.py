@@ -22,6 +22,7 @@ from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.writer import parse_size
+from moecompress.methods.attribution import ATTRIB_TOKENS, trace_bytes
 
 GiB = 1024**3
 
@@ -44,7 +45,12 @@ def estimate(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, 
         on_disk = c.offload == "disk" or (c.offload == "auto" and store > OFFLOAD_AUTO_BYTES)
         disk = store if on_disk else 0
         mem += (0 if on_disk else store) + act + 3 * min(c.batch_size, c.samples) * c.seq_len * vocab * 4
-    return {"calibration_memory_bytes": mem, "backward_disk_bytes": disk}
+    out = {"calibration_memory_bytes": mem, "backward_disk_bytes": disk}
+    if "route_attrib" in set(recipe.needs):  # the routing-attribution trace (calibration/trace.py)
+        trace = trace_bytes(n_layers, len(ckpt.moe_layer_indices), min(ATTRIB_TOKENS, tokens), hidden,
+                            int(cfg.get("num_experts_per_tok") or 1))  # fmt: skip
+        out.update(calibration_memory_bytes=mem + trace, route_attrib_trace_bytes=trace)
+    return out
 
 
 def available_memory() -> int | None:

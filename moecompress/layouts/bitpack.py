@@ -32,6 +32,11 @@ def packed_size(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
+def _lanes(bits: int) -> tuple[int, int]:
+    """``(bytes, codes)`` of one aligned word: 1 byte holds 4 (2-bit) or 2 (4-bit) codes, 3 bytes 8 (3-bit)."""
+    return (3, 8) if bits == 3 else (1, 8 // bits)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer ``codes`` ``[..., n]`` (each in ``[0, 2**bits)``) into ``uint8`` ``[..., ceil(n·bits/8)]``."""
     _check(bits)
@@ -44,19 +49,20 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     *lead, n = codes.shape
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
-    shifts = torch.arange(bits, device=codes.device)
-    stream = (codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1  # [..., n, bits], LSB first
-    stream = stream.reshape(*lead, n * bits)
-    nbytes = packed_size(n, bits)
-    pad = nbytes * 8 - n * bits
-    if pad:
-        stream = torch.cat([stream, stream.new_zeros(*lead, pad)], -1)
-    weights = (1 << torch.arange(8, device=codes.device)).to(torch.int64)
-    return (stream.reshape(*lead, nbytes, 8) * weights).sum(-1).to(torch.uint8)
+    nb, per = _lanes(bits)
+    words = -(-n // per)
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, words * per - n)).view(*lead, words, per)
+    shifts = torch.arange(0, per * bits, bits, dtype=torch.int32, device=codes.device)
+    word = (c << shifts).sum(-1, dtype=torch.int32)  # the codes of one word, LSB first
+    out = (word.unsqueeze(-1) >> torch.arange(0, 8 * nb, 8, dtype=torch.int32, device=codes.device)) & 0xFF
+    return out.reshape(*lead, words * nb)[..., : packed_size(n, bits)].to(torch.uint8).contiguous()
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``uint8`` ``[..., ceil(n·bits/8)]`` to ``uint8`` codes ``[..., n]``."""
+    """Inverse of :func:`pack_bits`: ``uint8`` ``[..., ceil(n·bits/8)]`` to ``uint8`` codes ``[..., n]``.
+
+    Works a whole aligned word at a time (shifts and masks of ``uint8`` bytes; 3-byte ``int32`` words at
+    3 bits), so decoding costs a few passes over the codes, not one per bit."""
     _check(bits)
     if packed.dtype != torch.uint8:
         raise LayoutError(f"packed codes must be uint8, got {packed.dtype}")
@@ -68,9 +74,15 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed
     *lead, nbytes = packed.shape
-    shifts = torch.arange(8, device=packed.device)
-    stream = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, nbytes * 8)[
-        ..., : n * bits
-    ]
-    weights = (1 << torch.arange(bits, device=packed.device)).to(torch.int64)
-    return (stream.reshape(*lead, n, bits) * weights).sum(-1).to(torch.uint8)
+    nb, per = _lanes(bits)
+    mask = (1 << bits) - 1
+    if nb == 1:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & mask
+        return codes.reshape(*lead, nbytes * per)[..., :n]
+    words = -(-nbytes // nb)
+    b = torch.nn.functional.pad(packed, (0, words * nb - nbytes)).view(*lead, words, nb).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    shifts = torch.arange(0, per * bits, bits, dtype=torch.int32, device=packed.device)
+    codes = ((word.unsqueeze(-1) >> shifts) & mask).to(torch.uint8)
+    return codes.reshape(*lead, words * per)[..., :n]

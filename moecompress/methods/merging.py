@@ -4,6 +4,7 @@
   (element-wise), ``G = [τ_1 … τ_n]`` the task vectors of a group's members relative to its base.
 - :func:`average_linkage` — HC-SMoE's grouping: average-linkage agglomerative clustering of expert
   feature vectors, some ids kept as singletons (protected experts).
+- :func:`ward_linkage` — usage-weighted Ward clustering (the first-order merge loss; ``linkage: ward``).
 - :func:`linear_assignment` and :func:`align_to` — weight matching: permute a member's intermediate
   neurons to its base's (neuron order in independently trained experts is arbitrary).
 - expert parameters as a small dict of float32 tensors (``gate [I, H]``, ``up [I, H]``, ``down [H, I]``
@@ -158,6 +159,55 @@ def average_linkage(
         clusters[j] = None
         size[i] += size[j]
     groups = [c for c in clusters if c is not None] + [[e] for e in fixed]
+    return sorted(groups, key=lambda g: g[0])
+
+
+def ward_linkage(
+    features: torch.Tensor, n_groups: int, weights: torch.Tensor, *, singletons: Iterable[int] = ()
+) -> list[list[int]]:
+    """Weighted Ward clustering of the rows of ``features`` into ``n_groups`` groups.
+
+    Merges, at every step, the two clusters whose union increases the weighted within-cluster sum of
+    squares ``Σ_g Σ_{i∈g} w_i ‖x_i − μ_g‖²`` (``μ_g`` the ``w``-weighted mean) the least:
+    ``Δ(a, b) = W_a W_b / (W_a + W_b) · ‖μ_a − μ_b‖²``. With ``x_i`` an expert's outputs on shared tokens
+    and ``w_i`` its usage, this is the error of replacing each group by its usage-weighted average in
+    function space — the merge loss to first order — so big groups of dissimilar experts cost what they
+    should (average linkage chains near-equidistant experts into one group). Weights are floored at
+    ``1e-6 · mean`` (unused experts merge first, at no cost). ``singletons`` as in :func:`average_linkage`;
+    ties go to the pair with the lowest ids. Features are reduced to their ``n − 1`` principal
+    dimensions first, which keeps every pairwise distance."""
+    n = features.shape[0]
+    fixed = sorted(set(int(e) for e in singletons))
+    free = [e for e in range(n) if e not in set(fixed)]
+    want = n_groups - len(fixed)
+    if want < (1 if free else 0) or want > len(free):
+        raise MethodError(
+            f"cannot form {n_groups} groups from {n} experts with {len(fixed)} kept as singletons "
+            f"({fixed}); choose between {len(fixed) + (1 if free else 0)} and {n} groups"
+        )
+    f = features.detach().double().flatten(1)[free] if free else torch.zeros(0, 1, dtype=torch.float64)
+    if len(free) > 1:
+        f = f - f.mean(0)
+        u, sv, _ = torch.linalg.svd(f, full_matrices=False)
+        f = u[:, : len(free) - 1] * sv[: len(free) - 1]
+    w = weights.detach().double().flatten()[free] if free else torch.zeros(0, dtype=torch.float64)
+    w = w.clamp_min(1e-6 * max(float(w.mean()) if len(w) else 1.0, 1e-300))
+    clusters = [[e] for e in free]
+    mu, wt = [f[i] for i in range(len(free))], [float(w[i]) for i in range(len(free))]
+    while len(clusters) > want:
+        best = None
+        for i in range(len(clusters)):
+            for j in range(i + 1, len(clusters)):
+                d = wt[i] * wt[j] / (wt[i] + wt[j]) * float((mu[i] - mu[j]).pow(2).sum())
+                key = (d, min(clusters[i]), min(clusters[j]))
+                if best is None or key < best[0]:
+                    best = (key, i, j)
+        _, i, j = best  # type: ignore[misc]
+        mu[i] = (wt[i] * mu[i] + wt[j] * mu[j]) / (wt[i] + wt[j])
+        wt[i] += wt[j]
+        clusters[i] = sorted(clusters[i] + clusters[j])
+        del clusters[j], mu[j], wt[j]
+    groups = clusters + [[e] for e in fixed]
     return sorted(groups, key=lambda g: g[0])
 
 

@@ -3,7 +3,10 @@ calibration tokens, router handling and the layer they write. The passes differ 
 members become one expert.
 
 **Count.** ``ratio`` (fraction of routed experts removed: ``round(ratio · E)``, halves up, as
-``expert_prune``) or ``target_experts`` (groups kept per layer) — exactly one. Protected (super)
+``expert_prune``) or ``target_experts`` (groups kept per layer) — exactly one. ``target_experts: auto``
+(``router: remap`` only) chooses the count per layer with a Gaussian mixture over expert features
+(``choose_count``, :mod:`moecompress.methods.mixture`); the dry run shows every expert kept (an upper
+bound on the bytes). Protected (super)
 experts are singleton groups and count toward the groups kept.
 
 **Tokens.** ``io_sample`` holds the first ``calibration.sample_tokens`` MoE inputs. Its first half
@@ -15,8 +18,12 @@ give the step report's ``rel_error`` row.
 **Grouping** (HC-SMoE): features per expert — ``output``: the mean output of each expert over *all* fit
 tokens (shared inputs, not only the tokens routed to it); ``router``: the expert's router-logit column
 over the fit tokens, centred per token (softmax ignores a shared offset; MC-SMoE's similarity);
-``weight``: the flattened gate/up/down weights. Average-linkage clustering with ``metric`` distance
-(:func:`~moecompress.methods.merging.average_linkage`). The base of a group is its most-used member
+``weight``: the flattened gate/up/down weights; ``output_tokens``: each expert's outputs on the first 64
+fit tokens, flattened (the functional distance ``E_t ‖E_i(x_t) − E_j(x_t)‖²``). ``linkage: average``:
+average-linkage clustering with ``metric`` distance (:func:`~moecompress.methods.merging.average_linkage`,
+HC-SMoE); ``linkage: ward``: usage-weighted Ward (:func:`~moecompress.methods.merging.ward_linkage`), the
+grouping that least increases ``Σ_g Σ_{i∈g} f_i ‖x_i − x̄_g‖²`` (the default, with ``output_tokens``,
+since issue 19; HC-SMoE's ``output`` + ``average`` chained near-copies into one large group). The base of a group is its most-used member
 (``expert_counts``; ties: lowest id); with ``align`` every other member's neurons are permuted to the
 base's first (weight matching).
 
@@ -51,8 +58,9 @@ from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.dense import Dense
-from moecompress.methods.merging import Params, align_to, average_linkage, expert_params
+from moecompress.methods.merging import Params, align_to, average_linkage, expert_params, ward_linkage
 from moecompress.methods.metrics import relative_error
+from moecompress.methods.mixture import choose_k, reduce_features
 from moecompress.reference import expert_forward, moe_forward, route, router_logits
 
 NEEDS = {"expert_counts", "io_sample"}
@@ -63,11 +71,17 @@ class MergeOptions(PassConfig):
     """Options shared by the merging passes."""
 
     ratio: float | None = Field(None, ge=0, lt=1, description="fraction of routed experts removed per layer")
-    target_experts: int | None = Field(None, ge=1, description="groups (physical experts) kept per layer")
-    similarity: Literal["output", "router", "weight"] = Field(
-        "output", description="grouping feature: mean expert output, router-logit column, or weights"
+    target_experts: int | Literal["auto"] | None = Field(
+        None, description="groups (physical experts) kept per layer; auto: chosen per layer (choose_groups)"
     )
-    metric: Literal["cosine", "euclidean"] = Field("cosine", description="distance between features")
+    similarity: Literal["output", "output_tokens", "router", "weight"] = Field(
+        "output_tokens", description="grouping feature: per-token outputs, mean expert output, router-logit "
+        "column, or weights"
+    )
+    metric: Literal["cosine", "euclidean"] = Field("cosine", description="distance between features (average)")
+    linkage: Literal["average", "ward"] = Field(
+        "ward", description="usage-weighted Ward (the merge loss) or average linkage (HC-SMoE)"
+    )
     align: bool = Field(True, description="permute members' neurons to the base's before merging")
     router: Literal["remap", "collapse"] = Field(
         "remap", description="keep every router row + expert map, or one row per group (stock)"
@@ -83,6 +97,13 @@ class MergeOptions(PassConfig):
                 "set exactly one of ratio (fraction of routed experts removed) or target_experts "
                 "(experts kept per layer)"
             )
+        if isinstance(self.target_experts, int) and self.target_experts < 1:
+            raise ValueError("target_experts must be >= 1 (or auto)")
+        if self.target_experts == "auto" and self.router == "collapse":
+            raise ValueError(
+                "target_experts: auto chooses a different count per layer, but router: collapse needs the same "
+                "count in every layer; use router: remap with auto, or a fixed target_experts"
+            )
         return self
 
 
@@ -91,6 +112,9 @@ def _what(cfg: MergeOptions) -> str:
 
 
 def target_groups(num_experts: int, cfg: MergeOptions) -> int:
+    """Groups kept; for ``target_experts: auto`` the upper bound ``num_experts`` (chosen in :func:`plan_merge`)."""
+    if cfg.target_experts == "auto":
+        return num_experts
     if cfg.target_experts is not None:
         return cfg.target_experts
     return num_experts - math.floor(cfg.ratio * num_experts + 0.5 + 1e-9)  # type: ignore[operator]
@@ -163,7 +187,7 @@ def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
     new ids, is decided by the grouping: the ids here are placeholders, the count is right)."""
     bank, e = layer.experts, layer.router.num_experts
     t = target_groups(e, cfg)
-    if t == e:
+    if t == e and cfg.target_experts != "auto":
         return layer
     lays = {p: Dense.meta_like(t, *getattr(bank, p).shape[1:], getattr(bank, p).dtype) for p in PROJ}
     biases = {k: meta_tensor(t, *b.shape[1:], dtype=b.dtype) for k, b in bank.biases.items()}
@@ -193,6 +217,7 @@ class MergePlan:
     x_fit: torch.Tensor
     x_held: torch.Tensor
     moved: int = 0
+    auto: dict | None = None
     _y_held: torch.Tensor | None = None
     _routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -302,6 +327,8 @@ class MergePlan:
             "neurons_moved": self.moved,
             "rel_error_held": self.held_error(new) if new is not layer else 0.0,
         }
+        if self.auto is not None:
+            out["choose_groups"] = self.auto
         if self.cfg.router == "collapse" and new is not layer:
             out["kept_experts"] = self.bases  # protection.RENUMBER_KEY: new id g was old id bases[g]
         return out
@@ -311,6 +338,9 @@ def _features(layer: MoELayer, x: torch.Tensor, kind: str) -> torch.Tensor:
     bank = layer.experts
     if kind == "output":
         return torch.stack([expert_forward(bank, e, x).float().mean(0) for e in range(bank.num_experts)])
+    if kind == "output_tokens":  # functional distance: E_t ‖E_i(x_t) − E_j(x_t)‖² on the same tokens
+        xs = x[:AUTO_TOKENS]
+        return torch.stack([expert_forward(bank, e, xs).float().flatten() for e in range(bank.num_experts)])
     if kind == "router":
         logits = router_logits(layer, x)
         return (logits - logits.mean(1, keepdim=True)).T.contiguous()
@@ -330,18 +360,50 @@ def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePl
     x = stats["io_sample_x"].float()
     half = (x.shape[0] + 1) // 2
     x_fit, x_held = (x, x) if x.shape[0] < 2 else (x[:half], x[half:])
+    auto = None
+    if cfg.target_experts == "auto":
+        t, auto = choose_count(layer, x_fit)
     feats = _features(layer, x_fit, cfg.similarity) if t < e else torch.zeros(e, 1)
     groups: list[list[int]] = []
     bl = blocks(layer, cfg)
     for b in bl:
-        local = average_linkage(
-            feats[b.start : b.stop], t // len(bl), metric=cfg.metric,
-            singletons=[p - b.start for p in layer.protected if p in b],
-        )  # fmt: skip
+        single = [p - b.start for p in layer.protected if p in b]
+        if cfg.linkage == "ward":
+            local = ward_linkage(feats[b.start : b.stop], t // len(bl), counts[b.start : b.stop], singletons=single)
+        else:
+            local = average_linkage(feats[b.start : b.stop], t // len(bl), metric=cfg.metric, singletons=single)
         groups += [[b.start + i for i in grp] for grp in local]
     groups.sort(key=lambda g: g[0])
     bases = [max(g, key=lambda m: (float(counts[m]), -m)) for g in groups]
-    return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held)
+    return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held, auto=auto)
+
+
+AUTO_TOKENS, AUTO_DIMS = 64, 16
+"""``target_experts: auto``: fit tokens whose expert outputs form the features; principal dimensions kept."""
+
+
+def choose_count(layer: MoELayer, x: torch.Tensor) -> tuple[int, dict]:
+    """``target_experts: auto`` (``choose_groups``): the number of groups of the unprotected experts by
+    :func:`~moecompress.methods.mixture.choose_k` (tied isotropic Gaussian mixture, EM, BIC) over their
+    features — each expert's outputs on the first ``AUTO_TOKENS`` fit tokens and its centred router-logit
+    column, each block scaled to unit variance, reduced to ``AUTO_DIMS`` principal dimensions —
+    plus one singleton per protected expert. ``K = 1`` is the mixture's null (no cluster structure):
+    the layer is kept whole rather than merged into one expert (on ref-mixtral, merging every
+    ``K = 1`` layer into one expert gave perplexity 411 against 38.9; benchmarks/RESULTS.md, issue 19)."""
+    bank = layer.experts
+    e = layer.router.num_experts
+    free = [i for i in range(e) if i not in layer.protected]
+    if len(free) < 3:
+        return e, {"groups": e, "bic": {}, "why": "fewer than 3 unprotected experts: nothing merged"}
+    xs = x[:AUTO_TOKENS]
+    outs = torch.stack([expert_forward(bank, i, xs).float() for i in free])
+    logits = router_logits(layer, x)
+    rows = (logits - logits.mean(1, keepdim=True)).T[free]
+    k, bic = choose_k(reduce_features([outs, rows], AUTO_DIMS))
+    info = {"free_groups": k, "bic": {str(a): round(b, 3) for a, b in bic.items()}}
+    if k == 1:  # the null: no cluster structure among the experts, so no group of them is interchangeable
+        return e, {"groups": e, **info, "why": "BIC finds one component (no clusters): the layer is kept"}
+    return k + e - len(free), {"groups": k + e - len(free), **info}
 
 
 def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:

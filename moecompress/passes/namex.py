@@ -3,9 +3,14 @@
 Post-hoc adaptation (our design; METHODS.md §3.3) of NAMEx ("Expert Merging in Sparse Mixture of
 Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMoE layer. Per layer:
 
-1. **Groups**: HC-SMoE average-linkage clustering of the experts (:mod:`moecompress.passes.expert_merging`:
-   ``similarity``, ``metric``; protected experts are singletons), base ``b`` = the most-used member;
-   with ``align`` (default) the other members' neurons are permuted to the base's (weight matching).
+1. **Groups** (:mod:`moecompress.passes.expert_merging`; protected experts are singletons): by default
+   usage-weighted Ward clustering (:func:`~moecompress.methods.merging.ward_linkage`) of the experts'
+   outputs on the same 64 fit tokens (``similarity: output_tokens``, ``linkage: ward``) — the grouping
+   that minimises the first-order merge loss ``Σ_g Σ_{i∈g} f_i ‖E_i(x) − Ē_g(x)‖²``. HC-SMoE's average
+   linkage of mean outputs (``similarity: output, linkage: average``, the default before issue 19)
+   chained near-copies into one 5-member group per layer on ref-mixtral-upcycled and lost to REAP
+   pruning (benchmarks/RESULTS.md, issue 19). Base ``b`` = the most-used member; with ``align``
+   (default) the other members' neurons are permuted to the base's (weight matching).
 2. **Bargaining** per group with ``|C| ≥ 2``: task vectors ``τ_i = E_i − E_b`` over the concatenated
    gate/up/down weights (and biases) of the other members (members equal to the base are left out),
    ``G = [τ_i]``; ``α > 0`` with ``(GᵀG)α = 1/α`` by damped Newton

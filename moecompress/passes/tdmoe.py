@@ -18,7 +18,10 @@ decomposed experts' parameters removed) with the parameter count
 is scanned, ``r3`` solved for, and among the candidates within 0.5% of the target the one with the
 most equal relative ranks (``r2/out ≈ r3/in``) is kept (else the closest). Protected (super) experts
 stay dense, outside the shared factors. Shared experts and routers are untouched. ``budget: adaptive``
-gives each layer its own ratio by sensitivity (see ``_plan``; the mean over layers is ``ratio``).
+gives each layer its own ratio by sensitivity (see ``_plan``; the mean over layers is ``ratio``);
+``budget: from_structure`` keeps each layer's budget and spreads it over gate/up/down by how much
+whitened energy the shared basis keeps in each (see ``_structure_ratios``; the dry run shows the
+uniform ranks, which store as many parameters or more).
 
 Input layouts: dense, or ragged where every decomposed expert has the same live width (``heapr`` with
 ``layout: uniform`` and protected experts): their live parts are decomposed and the factors padded
@@ -42,11 +45,12 @@ import torch
 from pydantic import Field
 
 from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
-from moecompress.errors import PassError
+from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
+from moecompress.methods.structure import allocate, mode_bases, tucker_residual
 from moecompress.methods.tucker import decompose, tucker_ranks
 from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 from moecompress.passes.neuron_pruning import one_width_members
@@ -63,8 +67,8 @@ class TdmoeConfig(PassConfig):
     input_form: Literal["chol", "inverse"] = Field("chol", description="input whitening factor")
     method: Literal["hosvd", "hooi"] = Field("hosvd", description="Tucker algorithm (tensorly)")
     r1: int | None = Field(None, ge=1, description="expert-mode rank (default: not truncated)")
-    budget: Literal["uniform", "adaptive"] = Field(
-        "uniform", description="same ratio per layer, or by sensitivity"
+    budget: Literal["uniform", "adaptive", "from_structure"] = Field(
+        "uniform", description="same ratio per layer, by sensitivity, or per projection by expert structure"
     )
 
 
@@ -86,7 +90,7 @@ def _plan(all_stats: dict[int, LayerStats], cfg: TdmoeConfig) -> dict[int, float
     ``s_l = E[yᵀ Σ_g y]`` (``y`` the MoE output on the calibration sample, ``Σ_g`` the LM-loss gradient
     covariance at it: the loss increase per unit of relative output error, to second order), clipped to
     ``[ratio/2, min(2·ratio, 0.9)]`` and scaled (bisection) so that their mean is ``ratio``."""
-    if cfg.budget == "uniform":
+    if cfg.budget != "adaptive":
         return {i: None for i in all_stats}
     sens = {}
     for i, st in all_stats.items():
@@ -130,6 +134,37 @@ def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, rati
     return new, {"ranks": [r1, r2, r3], "whitened_rel_error": round(err, 6)}
 
 
+STRUCTURE_GRID = (0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5, 1.75, 2.0)
+"""``budget: from_structure``: candidate per-projection ratios, as multiples of the layer's ratio."""
+
+
+def _structure_ratios(bank, members, live, whiteners, ratio: float, cfg: TdmoeConfig) -> dict[str, float]:
+    """``budget: from_structure``: per-projection ratios (from ``ratio × STRUCTURE_GRID``, below 0.95)
+    minimising the summed whitened residual of the shared basis,
+    ``Σ_p 1 − ‖U₂ᵀ W_p U₃‖²/‖W_p‖²`` (:func:`moecompress.methods.structure.tucker_residual`), with the
+    layer's stored parameters at most those of the uniform ``ratio`` (:func:`~moecompress.methods.structure.
+    allocate`). Layers whose projections are equally compressible keep the uniform split."""
+    costs, target = {}, 0
+    for proj in PROJ:
+        full = getattr(bank, proj).dense()
+        w = full[members][:, :live] if proj != "down" else full[members][:, :, :live]
+        ww = whiteners[proj].whiten(w)
+        bases = mode_bases(ww)
+        costs[proj] = {}
+        for f in STRUCTURE_GRID:
+            r = ratio * f
+            if not 0 < r < 0.95:
+                continue
+            try:
+                res, _ = tucker_residual(ww, r, bases)
+                p = tucker_ranks(*ww.shape, r, cfg.r1)[3]
+            except MethodError:
+                continue
+            costs[proj][r] = (res, p)
+        target += tucker_ranks(*ww.shape, ratio, cfg.r1)[3]
+    return allocate(costs, target)
+
+
 def _emits(layer: MoELayer, cfg: TdmoeConfig) -> MoELayer:
     """Shapes only: every projection in the :class:`Tucker` layout at the ranks of ``ratio`` (under
     ``budget: adaptive`` each layer's ratio is chosen from the statistics), protected experts exact."""
@@ -156,10 +191,14 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
         return layer, {"skipped": "every expert is protected"}
     ratio = cfg.ratio if stats.plan is None else float(stats.plan)
     whiteners = projection_whiteners(_live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
-    lays, info = {}, {}
+    ratios = {p: ratio for p in PROJ}
+    info: dict = {}
+    if cfg.budget == "from_structure":
+        ratios = info["projection_ratios"] = _structure_ratios(bank, members, live, whiteners, ratio, cfg)
+    lays = {}
     for proj in PROJ:
         lays[proj], info[proj] = _factorise(
-            getattr(bank, proj), proj, members, dense_ids, live, whiteners[proj], ratio, cfg
+            getattr(bank, proj), proj, members, dense_ids, live, whiteners[proj], ratios[proj], cfg
         )
     before = sum(getattr(bank, p).num_params() for p in PROJ)
     after = sum(lays[p].num_params() for p in PROJ)

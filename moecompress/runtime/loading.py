@@ -24,11 +24,14 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     routing: Any = None,
+    dequantize: str | None = None,
 ):
     """Load ``path`` (directory or Hub id) as a ``transformers`` causal LM in eval mode. ``routing``:
     ``None`` applies the routing policies the checkpoint stores, ``"off"`` none, a mapping such as
     ``{"capacity_drop": {"gamma": 1.0}}`` sets those knobs on every MoE layer
-    (:func:`moecompress.runtime.routing.set_routing`)."""
+    (:func:`moecompress.runtime.routing.set_routing`). ``dequantize`` (``"float16"``, ``"bfloat16"``,
+    ``"float32"``) trades memory for CPU speed: quantised experts (``codebook``, ``rtn``) are decoded once
+    into dense weights of that dtype instead of per call (:func:`set_dequantize`)."""
     from transformers import AutoModelForCausalLM
 
     from moecompress.io.hub import resolve_checkpoint_dir
@@ -46,7 +49,24 @@ def load(
         refuse_missing(adapter, info.get("missing_keys", ()), directory)
     if routing is not None:
         set_routing(model, routing)
+    if dequantize is not None:
+        set_dequantize(model, dequantize)
     return model.to(device).eval()
+
+
+def set_dequantize(model, dtype: str | None) -> int:
+    """Decode the quantised experts of every compressed block of ``model`` once into dense ``dtype``
+    weights (``None``: back to decoding the hit experts per call); returns the number of blocks set.
+    Memory: the decoded experts of every such layer, in ``dtype``, on top of the stored codes."""
+    from moecompress.runtime.lean import DEQUANTIZE
+    from moecompress.runtime.quantizer import CompressedExperts
+
+    if dtype is not None and dtype not in DEQUANTIZE:
+        raise CheckpointError(f"dequantize={dtype!r}: use one of {sorted(DEQUANTIZE)} or None")
+    mods = [m for m in model.modules() if isinstance(m, CompressedExperts)]
+    for m in mods:
+        m.dense_dtype = None if dtype is None else DEQUANTIZE[dtype]
+    return len(mods)
 
 
 def check_output(directory: Path):

@@ -24,7 +24,6 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION, PROJ, decode_bank
 from moecompress.io.verify import module_tensors, verify_checkpoint
-from moecompress.reference import expert_forward, experts_forward
 from moecompress.runtime.routing import attach_stored
 
 METHOD = "moecompress"
@@ -52,13 +51,30 @@ class CompressedExperts(nn.Module):
             else:
                 module.register_buffer(key, t)
 
+    dense_dtype: torch.dtype | None = None
+    """Set by ``moecompress.load(..., dequantize=)``: quantised experts decoded once into this dtype."""
+
     def bank(self):
+        """The stored tensors decoded into ``(ExpertBank, expert_map)`` (every call decodes anew)."""
         tensors = {f"x.{k}": v for k, v in self.state_dict(keep_vars=True).items()}
         return decode_bank(self.desc, tensors, "x")
 
+    def prepared(self, device: torch.device):
+        """The bank prepared for serving (:mod:`moecompress.runtime.lean`, or the Triton kernels on CUDA),
+        built on the first call and again only when a stored tensor moved, changed or the option did."""
+        slots = getattr(self, "_slots", None)
+        if slots is None:  # the (dict, name) of every stored tensor: the module tree never changes
+            slots = [(m._parameters, n) for m in self.modules() for n in m._parameters]
+            slots += [(m._buffers, n) for m in self.modules() for n in m._buffers]
+            self._slots = slots
+        key = (self.dense_dtype, device, *((d[n].data_ptr(), d[n]._version) for d, n in slots))
+        if getattr(self, "_prepared_key", None) != key:
+            self._prepared = prepare_serving(*self.bank(), self.dense_dtype)
+            self._prepared_key = key
+        return self._prepared
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        bank, expert_map = self.bank()
-        out = experts_forward(bank, hidden_states, top_k_index, top_k_weights, expert_map)
+        out = self.prepared(hidden_states.device)(hidden_states, top_k_index, top_k_weights)
         return out.to(hidden_states.dtype)
 
 
@@ -67,9 +83,32 @@ class CompressedShared(CompressedExperts):
     ``shared(hidden_states [..., H]) -> [..., H]`` (any gate, e.g. Qwen2-MoE's, stays outside)."""
 
     def forward(self, hidden_states: torch.Tensor):  # type: ignore[override]
-        bank, _ = self.bank()
+        lean = self.prepared(hidden_states.device)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        return expert_forward(bank, 0, x).reshape(hidden_states.shape).to(hidden_states.dtype)
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return lean(x, ids, ones).reshape(hidden_states.shape).to(hidden_states.dtype)
+
+
+def prepare_serving(bank, expert_map, dense_dtype=None):
+    """The fastest forward for ``bank`` on its device: a Triton kernel on CUDA when one serves its layouts
+    (:func:`moecompress.kernels.dispatch.prepare_triton`, needs ``triton``), else the lean PyTorch path."""
+    from moecompress.runtime.lean import prepare
+
+    if _on_cuda(bank) and dense_dtype is None:
+        try:
+            from moecompress.kernels.dispatch import prepare_triton
+        except ImportError:  # triton not installed: the lean path serves CUDA too
+            prepare_triton = None
+        fast = None if prepare_triton is None else prepare_triton(bank, expert_map)
+        if fast is not None:
+            return fast.forward
+    return prepare(bank, expert_map, dense_dtype=dense_dtype)
+
+
+def _on_cuda(bank) -> bool:
+    t = next(iter(bank.gate.tensors().values()))
+    return t.device.type == "cuda"
 
 
 class MoecompressConfig(QuantizationConfigMixin):

@@ -1,0 +1,130 @@
+"""choose_groups: EM with a penalised likelihood recovers the number of clusters; target_experts: auto."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from moecompress.engine.spec import LayerStats
+from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
+from moecompress.layouts.dense import Dense
+from moecompress.methods.mixture import choose_k, fit_gmm, reduce_features
+from moecompress.passes import BUILTIN_PASSES
+from moecompress.testing import layer_statistics
+
+
+def _clusters(k, per=4, d=24, seed=0, spread=0.3):
+    g = torch.Generator().manual_seed(100 * k + seed)
+    centres = 3 * torch.randn(k, d, generator=g, dtype=torch.float64)
+    return centres.repeat_interleave(per, 0) + spread * torch.randn(
+        k * per, d, generator=g, dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_em_recovers_the_number_of_clusters(k, seed):
+    x = _clusters(k, seed=seed)
+    kmax = 2 * k + 2  # a search well past the truth (the full 1..n-1 scan is slow for n = 32 points)
+    got, bic = choose_k(x, kmax)
+    assert got == k, bic
+    assert choose_k(reduce_features([x], 16), kmax)[0] == k  # also after the projection the passes use
+    fit = fit_gmm(x, k)
+    labels = fit["resp"].argmax(1).reshape(k, -1)  # every true cluster is one component
+    assert all(len(set(row.tolist())) == 1 for row in labels) and len(set(labels[:, 0].tolist())) == k
+
+
+def test_one_cluster_is_not_split():
+    x = torch.randn(12, 24, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert choose_k(x)[0] == 1
+
+
+E, W, H = 8, 12, 10
+
+
+def _two_family_layer():
+    """Experts 0-3 near-copies of A, 4-7 near-copies of B (weights and router rows)."""
+    g = torch.Generator().manual_seed(0)
+
+    def stack(*shape):
+        a, b = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        return torch.stack([(a if e < 4 else b) + 0.02 * torch.randn(*shape, generator=g) for e in range(E)])
+
+    bank = ExpertBank(Dense(stack(W, H)), Dense(stack(W, H)), Dense(stack(H, W)))
+    spec = RouterSpec(num_experts=E, top_k=2, gating=Gating.SOFTMAX_TOPK, norm_topk=True)
+    return MoELayer(0, spec, stack(H), bank)
+
+
+@pytest.mark.parametrize("name", ["namex", "merge_experts"])
+def test_target_experts_auto_merges_each_family_into_one(name):
+    spec = BUILTIN_PASSES[name]
+    cfg = spec.config(target_experts="auto", **({"refine_steps": 0} if name == "namex" else {}))
+    layer = _two_family_layer()
+    st = LayerStats.view(0, layer_statistics(layer, spec.needs_for(cfg)), spec.needs_for(cfg))
+    new, info = spec.fn(layer, st, cfg)
+    assert info["choose_groups"]["groups"] == 2, info["choose_groups"]
+    assert sorted(info["groups"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert new.experts.num_experts == 2 and new.expert_map.tolist() == [0] * 4 + [1] * 4
+
+
+def test_auto_with_collapse_is_refused():
+    with pytest.raises(ValidationError, match="router: remap"):
+        BUILTIN_PASSES["namex"].config(target_experts="auto", router="collapse")
+
+
+def test_choose_groups_reports_the_count_auto_uses():
+    spec = BUILTIN_PASSES["choose_groups"]
+    layer = _two_family_layer()
+    st = LayerStats.view(0, layer_statistics(layer, spec.needs), spec.needs)
+    same, info = spec.fn(layer, st, spec.config())
+    assert same is layer and info["groups"] == 2 and info["experts"] == E
+
+
+def test_ward_linkage_recovers_clusters_keeps_singletons_and_merges_unused_experts_first():
+    from moecompress.methods.merging import ward_linkage
+
+    f = _clusters(3, per=2, d=6, seed=3)
+    assert ward_linkage(f, 3, torch.ones(6)) == [[0, 1], [2, 3], [4, 5]]
+    assert [1] in ward_linkage(f, 3, torch.ones(6), singletons=[1])
+    # an unused expert costs nothing to merge: with one merge allowed, it is the one absorbed
+    w = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    groups = ward_linkage(f, 5, w)
+    assert any(4 in g and len(g) == 2 for g in groups)
+
+
+def _weighted_ss(f, w, groups):
+    f, w = f.double(), w.double()
+    tot = 0.0
+    for g in groups:
+        mu = (w[g, None] * f[g]).sum(0) / w[g].sum()
+        tot += float((w[g] * (f[g] - mu).pow(2).sum(1)).sum())
+    return tot
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ward_lowers_the_first_order_merge_loss_where_average_linkage_chains(seed):
+    """Near-copies of one expert (upcycled-like): Ward's groups leave less usage-weighted spread of the
+    experts' outputs — the loss of replacing each group by its usage-weighted average — than HC-SMoE's."""
+    from moecompress.methods.merging import average_linkage, ward_linkage
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, 12, generator=g)
+    f = torch.stack([(base + 0.3 * torch.randn(64, 12, generator=g)).flatten() for _ in range(8)])
+    w = torch.rand(8, generator=g) + 0.1
+    ward = ward_linkage(f, 4, w)
+    avg = average_linkage(f, 4, metric="cosine")
+    assert _weighted_ss(f, w, ward) < _weighted_ss(f, w, avg)
+
+
+def test_auto_keeps_a_layer_without_cluster_structure():
+    g = torch.Generator().manual_seed(7)
+    bank = ExpertBank(*(Dense(torch.randn(E, *s, generator=g)) for s in ((W, H), (W, H), (H, W))))
+    layer = MoELayer(0, RouterSpec(num_experts=E, top_k=2, gating=Gating.SOFTMAX_TOPK, norm_topk=True),
+                     torch.randn(E, H, generator=g), bank)  # fmt: skip
+    spec = BUILTIN_PASSES["merge_experts"]
+    cfg = spec.config(target_experts="auto")
+    st = LayerStats.view(0, layer_statistics(layer, spec.needs_for(cfg)), spec.needs_for(cfg))
+    new, info = spec.fn(layer, st, cfg)
+    assert info["choose_groups"]["free_groups"] == 1 and info["choose_groups"]["groups"] == E
+    assert new is layer
