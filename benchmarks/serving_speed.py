@@ -92,15 +92,19 @@ def measure(model, windows: torch.Tensor, prompt: torch.Tensor, new: int) -> dic
     }  # fmt: skip
 
 
+def keep_best(best: dict[str, dict], name: str, m: dict) -> None:
+    """Fold one measurement ``m`` of ``name`` into ``best`` (highest tokens/s, lowest seconds)."""
+    b = best.setdefault(name, dict(m))
+    for k, v in m.items():
+        b[k] = max(b[k], v) if k.endswith("tok_s") else min(b[k], v)
+
+
 def bench(models: dict, windows, prompt, new: int, repeats: int) -> dict:
     """Best of ``repeats`` per variant, the variants interleaved in every round."""
     best: dict[str, dict] = {}
     for _ in range(repeats):
         for name, model in models.items():
-            m = measure(model, windows, prompt, new)
-            b = best.setdefault(name, m)
-            for k, v in m.items():
-                b[k] = max(b[k], v) if k.endswith("tok_s") else min(b[k], v)
+            keep_best(best, name, measure(model, windows, prompt, new))
     return best
 
 

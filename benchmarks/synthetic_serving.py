@@ -142,7 +142,7 @@ VARIANTS = {
 
 
 def synthetic(args, work: Path) -> dict:
-    from serving_speed import measure
+    from serving_speed import keep_best, measure
 
     base = _base(work / "base", args.layers, args.experts, args.vocab)
     original = mc.load(base)
@@ -150,12 +150,6 @@ def synthetic(args, work: Path) -> dict:
     windows = torch.randint(0, args.vocab, (args.windows, args.window), generator=g)
     prompt = torch.randint(0, args.vocab, (1, 16), generator=g)
     best: dict[str, dict] = {}
-
-    def keep(name: str, m: dict) -> None:
-        b = best.setdefault(name, m)
-        for k, v in m.items():
-            b[k] = max(b[k], v) if k.endswith("tok_s") else min(b[k], v)
-
     for name, fn in VARIANTS.items():
         if args.only and not any(o in name for o in args.only):
             continue
@@ -170,9 +164,10 @@ def synthetic(args, work: Path) -> dict:
         for label, kw in runs.items():
             model = mc.load(out, **kw)
             for _ in range(args.repeats):  # interleaved with the original, best of each
-                keep("original", o := measure(original, windows, prompt, args.new))
-                keep(f"original@{label}", dict(o))
-                keep(label, measure(model, windows, prompt, args.new))
+                o = measure(original, windows, prompt, args.new)
+                keep_best(best, "original", o)
+                keep_best(best, f"original@{label}", o)
+                keep_best(best, label, measure(model, windows, prompt, args.new))
             print(f"  {label}: {best[label]}", flush=True)
             del model
     return best
