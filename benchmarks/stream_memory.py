@@ -23,8 +23,11 @@ run, and a third with ``--heapr``:
 * ``analyze+grad``: ``analyze`` + ``grad_probe``, report-only, so nothing but reports is written;
 * ``+identity``: the same plus ``identity`` last, so a checkpoint is written (streaming writer,
   ``max_shard_size`` about one decoder layer);
-* ``analyze+heapr`` (``--heapr``): ``analyze`` + the real ``heapr`` pass at ratio 0.5, which writes a
-  ragged checkpoint.
+* ``analyze+heapr`` (``--heapr``): ``analyze`` + the real ``heapr`` pass (``--heapr-ratio``, default
+  0.5), which writes a ragged checkpoint.
+
+``max_shard_size`` is about one decoder layer unless ``--shard-mb`` or ``--default-shard`` (the
+recipe's default, 5 GB) says otherwise; ``--only`` picks variants.
 
 Every measurement runs in a fresh interpreter with a fresh calibration cache directory (so
 calibration really runs); the peak is ``VmHWM`` from ``/proc/self/status`` at the end (not
@@ -38,6 +41,8 @@ callbacks, ``run_layer_loop``) and resets the high-water mark between them
     python benchmarks/stream_memory.py --layers 2 6 --phases --tmp /data/tmp
     python benchmarks/stream_memory.py --experts 16 --hidden 512 --width 256   # quick smoke run
     python benchmarks/stream_memory.py --layers 2 --heapr    # + the real heapr pass (ragged output)
+    python benchmarks/stream_memory.py --experts 64 --hidden 1024 --width 512 --only analyze+heapr \
+        --heapr-ratio 0.1 --default-shard         # issue 18's depth check (192 MiB per MoE layer)
 """
 
 from __future__ import annotations
@@ -328,7 +333,7 @@ def write_recipe(path: Path, model: Path, out: Path, cache: Path, tail: str | No
 
     steps: list[dict] = [{"analyze": {}}]
     if tail == "heapr":  # the real HEAPr pass: same statistics as grad_probe, writes a ragged checkpoint
-        steps.append({"heapr": {"ratio": 0.5}})
+        steps.append({"heapr": {"ratio": args.heapr_ratio}})
     else:
         steps.append({"grad_probe": {}})
     if tail == "identity":
@@ -343,9 +348,10 @@ def write_recipe(path: Path, model: Path, out: Path, cache: Path, tail: str | No
             "batch_size": args.batch_size,
             "cache_dir": str(cache),
         },
-        "max_shard_size": shard,
         "steps": steps,
     }
+    if shard:  # 0: the recipe's default max_shard_size (5 GB)
+        recipe["max_shard_size"] = shard
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
 
@@ -428,8 +434,16 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and outputs")
     ap.add_argument("--phases", action="store_true", help="also profile the executor's phases per depth")
     ap.add_argument(
-        "--heapr", action="store_true", help="also run analyze + heapr (ratio 0.5, ragged output)"
+        "--heapr", action="store_true", help="also run analyze + heapr (ragged output; see --heapr-ratio)"
     )
+    ap.add_argument("--heapr-ratio", type=float, default=0.5, help="heapr's ratio (default 0.5)")
+    ap.add_argument(
+        "--default-shard", action="store_true", help="leave max_shard_size at the recipe default (5 GB)"
+    )
+    ap.add_argument(
+        "--only", nargs="+", default=None, choices=["analyze+grad", "+identity", "analyze+heapr"],
+        help="run only these variants (default: all enabled)",
+    )  # fmt: skip
     ap.add_argument(
         "--malloc-mmap-threshold",
         type=int,
@@ -448,8 +462,10 @@ def main() -> None:
     )
 
     variants = [("analyze+grad", None), ("+identity", "identity")]
-    if args.heapr:
+    if args.heapr or (args.only and "analyze+heapr" in args.only):
         variants.append(("analyze+heapr", "heapr"))
+    if args.only:
+        variants = [v for v in variants if v[0] in args.only]
     results: dict[tuple[str, int], dict] = {}
     totals: dict[int, int] = {}
     phases: dict[int, dict] = {}
@@ -462,7 +478,9 @@ def main() -> None:
             totals[n] = build_checkpoint(ckpt, n, args)
             validate(ckpt, n)
             shard = int(args.shard_mb * MB) if args.shard_mb else int(1.05 * decoder_layer_bytes(ckpt))
-            log(f"  checkpoint {totals[n] / GB:.2f} GB; recipe max_shard_size {shard / MB:.0f} MB")
+            shard = 0 if args.default_shard else shard
+            what = f"{shard / MB:.0f} MB" if shard else "the default (5 GB)"
+            log(f"  checkpoint {totals[n] / GB:.2f} GB; recipe max_shard_size {what}")
             for name, tail in variants:
                 results[name, n] = measure(name, tail, n, ckpt, work, args, shard)
             if args.phases:

@@ -26,7 +26,7 @@ from torch import nn
 
 from moecompress.errors import CheckpointError
 from moecompress.io.checkpoint import Checkpoint
-from moecompress.ir import MoELayer, cast_layer
+from moecompress.ir import MoELayer, cast_layer, layer_to
 from moecompress.reference import moe_forward
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,13 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 class Skeleton:
     """The meta-device model of a checkpoint, with embeddings and head materialised on demand."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
         self.dtype = dtype
+        self.device = torch.device(device)
+        self._head: tuple[nn.Module, nn.Module] | None = None
         config = copy.deepcopy(ckpt.config)
         config.use_cache = False
         with torch.device("meta"):
@@ -166,7 +168,8 @@ class Skeleton:
         mod = copy.deepcopy(self.meta_layers[i])
         owned: set[str] = set()
         if moe is not None:
-            block = InstrumentedMoE(cast_layer(moe, self.dtype), observer, adapter.module_returns_tuple)
+            moe = layer_to(cast_layer(moe, self.dtype), self.device)
+            block = InstrumentedMoE(moe, observer, adapter.module_returns_tuple)
             setattr(mod, adapter.module_attr, block)
             owned = set(self.ckpt.moe_keys(i))
         keys = [k for k in self._layer_keys[i] if k not in owned]
@@ -180,15 +183,22 @@ class Skeleton:
         if result.unexpected_keys or leftover:
             what = result.unexpected_keys[:3] or leftover[:3]
             raise CheckpointError(f"layer {i}: cannot materialise transformers' layer module (keys {what})")
-        return mod.eval().requires_grad_(False)
+        return mod.to(self.device).eval().requires_grad_(False)
 
     def lm_loss_and_grad(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, total_tokens: int
     ) -> tuple[float, torch.Tensor]:
         """Sum of next-token NLL over the batch / ``total_tokens`` and its gradient w.r.t. ``hidden``."""
-        h = hidden.detach().requires_grad_(True)
+        if self._head is None:  # on the compute device (the host's modules stay where they are)
+            norm, head = self.model.model.norm, self.model.lm_head
+            if self.device.type != "cpu":
+                norm, head = copy.deepcopy(norm).to(self.device), copy.deepcopy(head).to(self.device)
+            self._head = (norm, head)
+        norm, head = self._head
+        h = hidden.detach().to(self.device).requires_grad_(True)
+        input_ids = input_ids.to(self.device)
         with torch.enable_grad():
-            logits = self.model.lm_head(self.model.model.norm(h)).float()
+            logits = head(norm(h)).float()
             loss = (
                 F.cross_entropy(
                     logits[:, :-1].reshape(-1, logits.shape[-1]),

@@ -28,17 +28,32 @@
 Text sources are tokenised with the model's own tokenizer files in ``model_dir`` (never remote code).
 Held-out split: the last 2% of each text (``len(text) // 50`` characters; each file, each builtin
 module, each dataset is one text) is ``"eval"``, the rest is ``"calibration"``; they never overlap.
-The split's texts are tokenised once (no special tokens) and joined with the EOS token (a newline when
-the tokenizer has none). ``samples`` windows of ``seq_len`` tokens are drawn with
-``torch.Generator().manual_seed(seed)``: non-overlapping windows at a random phase when the text holds
-``samples * seq_len`` tokens, otherwise overlapping windows at random offsets (logged at INFO).
+Random draws use ``torch.Generator().manual_seed(seed)``; two ways, chosen by the split's size:
+
+- **Sampled** (the split holds at least ``16 * samples * seq_len`` bytes): the split's texts, end to
+  end, are cut into ``samples`` equal byte ranges and one window is drawn in each: a random byte
+  offset, moved to the next whitespace (so no window starts inside a word or a UTF-8 character), read
+  forward (about 8 bytes per token, doubled until long enough; ended at a whitespace) and tokenised
+  to its first ``seq_len`` tokens; a window that reaches the end of its range or text is read
+  backwards from there instead and keeps its last ``seq_len`` tokens. The windows never overlap and
+  their order is shuffled. Only the windows are tokenised (about ``8 * samples * seq_len`` bytes),
+  so a 20 MB corpus costs a fraction of a second, not the whole file. Files are read by byte ranges
+  (one streaming pass checks that they are UTF-8 and counts characters for the split); a file
+  holding ``\r`` is read whole into memory (still not tokenised) so its line ends are translated
+  exactly as Python's text mode and ``datasets`` do.
+- **Whole** (smaller splits, or when some range cannot supply ``seq_len`` tokens, logged at INFO):
+  the split's texts are tokenised once (no special tokens) and joined with the EOS token (a newline
+  when the tokenizer has none); non-overlapping windows at a random phase when the text holds
+  ``samples * seq_len`` tokens, otherwise overlapping windows at random offsets (logged at INFO).
+
 ``random`` draws its ``eval`` split from a different seed stream. Relative paths are taken from the
-current directory. Tokenising costs a few seconds per 10 MB of text: cache the result under
-:func:`source_fingerprint`.
+current directory. The result is cached under :func:`source_fingerprint`.
 """
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import hashlib
 import json
 import logging
@@ -46,6 +61,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moecompress.errors import MoecompressError
@@ -61,7 +77,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
 )  # fmt: skip
-_FINGERPRINT_VERSION = 1
+_FINGERPRINT_VERSION = 2  # 2: large splits are sampled by windows
 HF_LOCAL = {  # hf:FORMAT:PATH -> the file names a directory contributes
     "text": ("*.txt",), "json": ("*.json", "*.jsonl"), "csv": ("*.csv",), "parquet": ("*.parquet",), "disk": (),
 }  # fmt: skip
@@ -70,6 +86,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _COLUMN = re.compile(r"#([A-Za-z_][\w.-]*)$")
 _CHUNK_CHARS = 1 << 16
 _LINE_START = re.compile(r"\n(?=\S)")
+SAMPLE_BYTES_PER_TOKEN = 16  # the split needs this many bytes per requested token to be sampled
+_READ_BYTES_PER_TOKEN = 8  # a window's first read; doubled until it holds seq_len tokens
+_BLOCK = 1 << 20
+_SPACE = re.compile(rb"[ \t\n\r\f\v]")
+_SPACES = (b" ", b"\t", b"\n", b"\r", b"\f", b"\v")
 
 
 class CalibrationError(MoecompressError):
@@ -80,7 +101,11 @@ class CalibrationError(MoecompressError):
 class _Source:
     kind: str  # builtin | files | hf | random
     paths: tuple[Path, ...] = ()
-    hf: tuple[str, str | None, str] = ("", None, "train")  # Hub (name, config, split); disk: ("", None, split)
+    hf: tuple[str, str | None, str] = (
+        "",
+        None,
+        "train",
+    )  # Hub (name, config, split); disk: ("", None, split)
     hf_form: str = "hub"  # hub, or a key of HF_LOCAL (then ``paths`` holds the files / the directory)
     column: str = "text"
 
@@ -95,9 +120,24 @@ def load_token_ids(
         gen = torch.Generator().manual_seed(_split_seed(seed, split))
         return torch.randint(0, vocab, (samples, seq_len), generator=gen, dtype=torch.int64)
     tokenizer = _load_tokenizer(model_dir)
-    texts = [_split_text(text, split) for _, text in _texts(spec)]
-    ids = _tokenise(tokenizer, texts)
-    return _windows(ids, samples, seq_len, seed, what=f"{source!r} ({split} split)")
+    what = f"{source!r} ({split} split)"
+    if spec.kind == "files":
+        segments = [_file_segment(path, split) for path in _expand(spec.paths)]
+    else:
+        segments = [_Segment(name, data=_split_text(text, split).encode()) for name, text in _texts(spec)]
+    segments = [s for s in segments if s.hi > s.lo]
+    total = sum(s.hi - s.lo for s in segments)
+    if total >= SAMPLE_BYTES_PER_TOKEN * samples * seq_len:
+        ids = _sampled(tokenizer, segments, samples, seq_len, seed)
+        if ids is not None:
+            return ids
+        log.info(
+            "calibration text %s: a range is too short for %d-token windows; tokenising it whole",
+            what,
+            seq_len,
+        )
+    texts = [s.read(s.lo, s.hi).decode("utf-8") for s in segments]
+    return _windows(_tokenise(tokenizer, texts), samples, seq_len, seed, what=what)
 
 
 def source_fingerprint(
@@ -305,6 +345,64 @@ def _split_text(text: str, split: str) -> str:
     return text[:cut] if split == "calibration" else text[cut:]
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """One text's split as UTF-8 bytes ``[lo, hi)``: in memory (``data``) or in a file (``path``)."""
+
+    name: str
+    data: bytes | None = None
+    path: Path | None = None
+    lo: int = 0
+    hi: int = -1
+
+    def __post_init__(self) -> None:
+        if self.hi < 0:
+            object.__setattr__(self, "hi", len(self.data or b""))
+
+    def read(self, a: int, b: int) -> bytes:
+        if self.data is not None:
+            return self.data[a:b]
+        with self.path.open("rb") as fh:
+            fh.seek(a)
+            return fh.read(b - a)
+
+
+def _file_segment(path: Path, split: str) -> _Segment:
+    """A file's split without holding the file: one streaming pass checks UTF-8 and counts characters,
+    then the cut (``chars // 50`` from the end, as :func:`_split_text`) is found in the file's tail."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    chars, has_cr, size = 0, False, 0
+    try:
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(_BLOCK), b""):
+                chars += len(decoder.decode(block))
+                has_cr = has_cr or b"\r" in block
+                size += len(block)
+            chars += len(decoder.decode(b"", final=True))
+        if has_cr:  # text mode translates \r\n and \r: read it as Python (and datasets) do
+            return _Segment(str(path), data=_split_text(path.read_text(encoding="utf-8"), split).encode())
+        cut = size
+        need = chars // EVAL_DIVISOR  # characters of the eval split, counted back from the end
+        with path.open("rb") as fh:
+            while need > 0:
+                start = max(0, cut - _BLOCK)
+                fh.seek(start)
+                arr = np.frombuffer(fh.read(cut - start), dtype=np.uint8)
+                heads = np.flatnonzero((arr & 0xC0) != 0x80)  # the first byte of every character
+                if len(heads) >= need:
+                    cut = start + int(heads[len(heads) - need])
+                    need = 0
+                else:
+                    need -= len(heads)
+                    cut = start
+    except UnicodeDecodeError as err:
+        raise CalibrationError(f"calibration file {path} is not UTF-8 text ({err.reason})") from None
+    except OSError as err:
+        raise CalibrationError(f"calibration file {path} cannot be read: {err.strerror}") from None
+    lo, hi = (0, cut) if split == "calibration" else (cut, size)
+    return _Segment(str(path), path=path, lo=lo, hi=hi)
+
+
 # --- tokenizer and sampling --------------------------------------------------------------------------
 
 
@@ -347,15 +445,20 @@ def _chunks(text: str) -> list[str]:
     return pieces
 
 
-def _tokenise(tokenizer, texts: list[str]) -> torch.Tensor:
-    pieces = [_chunks(t) for t in texts if t]
-    flat = [p for ps in pieces for p in ps]
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # encode_batch_fast skips offsets (tokenizers >= 0.21)
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        encoded = [e.ids for e in encode(flat, add_special_tokens=False)] if flat else []
-    else:
-        encoded = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _tokenise(tokenizer, texts: list[str]) -> torch.Tensor:
+    pieces = [_chunks(t) for t in texts if t]
+    flat = [p for ps in pieces for p in ps]
+    encoded = _encode(tokenizer, flat)
     eos = getattr(tokenizer, "eos_token_id", None)
     sep = [eos] if isinstance(eos, int) else tokenizer.encode("\n", add_special_tokens=False)
     ids: list[int] = []
@@ -386,6 +489,58 @@ def _windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int, *, what: 
         log.info(msg, what, n, samples * seq_len)
         starts = torch.randint(0, n - seq_len + 1, (samples,), generator=gen)
     return ids[starts[:, None] + torch.arange(seq_len)]
+
+
+def _sampled(
+    tokenizer, segments: list[_Segment], samples: int, seq_len: int, seed: int
+) -> torch.Tensor | None:
+    """One window per equal byte range of the segments (see the module docstring); ``None`` when some
+    range cannot supply ``seq_len`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    where = torch.rand(samples, generator=gen, dtype=torch.float64).tolist()
+    order = torch.randperm(samples, generator=gen)
+    offsets = [0]
+    for s in segments:
+        offsets.append(offsets[-1] + s.hi - s.lo)
+    total = offsets[-1]
+    jobs = []  # [segment, room_lo, room_hi, position, read length, backwards]
+    for k in range(samples):
+        a, b = k * total // samples, (k + 1) * total // samples
+        p = a + int(where[k] * (b - a))
+        i = bisect.bisect_right(offsets, p) - 1
+        seg, base = segments[i], segments[i].lo - offsets[i]
+        lo, hi = max(a, offsets[i]) + base, min(b, offsets[i + 1]) + base
+        jobs.append([seg, lo, hi, p + base, seq_len * _READ_BYTES_PER_TOKEN, False])
+    rows: list[list[int] | None] = [None] * samples
+    while True:
+        todo = [k for k in range(samples) if rows[k] is None]
+        if not todo:
+            break
+        texts, done_reading = [], []
+        for k in todo:
+            seg, lo, hi, pos, length, back = jobs[k]
+            a, b = (max(lo, hi - length), hi) if back else (pos, min(hi, pos + length))
+            buf = seg.read(a, b)
+            start = 0
+            if a != seg.lo:  # inside a text: begin at a whitespace, never inside a word or a character
+                m = _SPACE.search(buf)
+                start = m.start() if m else len(buf)
+            end = len(buf)
+            if b != seg.hi:  # end at a whitespace too
+                end = max(start, *(buf.rfind(c, start + 1) for c in _SPACES))
+            texts.append(buf[start:end].decode("utf-8"))
+            done_reading.append(a == lo if back else b == hi)
+        for k, ids, exhausted in zip(todo, _encode(tokenizer, texts), done_reading, strict=True):
+            job = jobs[k]
+            if len(ids) > seq_len or (exhausted and len(ids) == seq_len):
+                rows[k] = ids[-seq_len:] if job[5] else ids[:seq_len]
+            elif not exhausted:
+                job[4] *= 2
+            elif not job[5]:  # the forward read reached the range's end: read back from there
+                job[4], job[5] = seq_len * _READ_BYTES_PER_TOKEN, True
+            else:
+                return None
+    return torch.tensor(rows, dtype=torch.int64)[order]
 
 
 def _vocab_size(model_dir: Path) -> int:

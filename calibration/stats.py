@@ -60,7 +60,7 @@ class StatsCollector:
         value = value.detach().double()
         if name not in self._sums:
             shape = (self._n_experts(name), *value.shape) if index is not None else value.shape
-            self._sums[name] = torch.zeros(shape, dtype=torch.float64)
+            self._sums[name] = torch.zeros(shape, dtype=torch.float64, device=value.device)
         if index is None:
             self._sums[name] += value
         else:
@@ -76,7 +76,7 @@ class StatsCollector:
 
     def _absmax_update(self, name: str, index: int, size: int, y: torch.Tensor) -> None:
         a = y.detach().abs().float()
-        val, flat = a.max(dim=0).values.max(dim=0)
+        val, flat = (v.cpu() for v in a.max(dim=0).values.max(dim=0))
         if name not in self._absmax:
             self._absmax[name] = (torch.zeros(size), torch.zeros(size, dtype=torch.long))
         best, chan = self._absmax[name]
@@ -87,7 +87,7 @@ class StatsCollector:
     def _keep(self, key: str, t: torch.Tensor) -> None:
         have = sum(x.shape[0] for x in self._io[key])
         if have < self.sample_tokens:
-            self._io[key].append(t.detach().float()[: self.sample_tokens - have].clone())
+            self._io[key].append(t.detach()[: self.sample_tokens - have].float().cpu().clone())
 
     # -- Observer --------------------------------------------------------------------------------
     def on_input(self, x: torch.Tensor) -> None:
@@ -118,7 +118,7 @@ class StatsCollector:
         if "router_sample" in self.names:
             self._keep("router_sample", logits)
         if self._attr is not None and self._off < self._attr["n"]:
-            self._attr["ids"].append(ids[: self._attr["n"] - self._off].detach().clone())
+            self._attr["ids"].append(ids[: self._attr["n"] - self._off].detach().cpu().clone())
 
     def on_expert(
         self, e: int, tok: torch.Tensor, slot: torch.Tensor, h: torch.Tensor, y: torch.Tensor
@@ -164,7 +164,7 @@ class StatsCollector:
 
     def on_output(self, out: torch.Tensor) -> None:
         if self.mode == "stats" and self._attr is not None and self._off < self._attr["n"]:
-            self._attr["y"].append(out.detach().float()[: self._attr["n"] - self._off].clone())
+            self._attr["y"].append(out.detach()[: self._attr["n"] - self._off].float().cpu().clone())
         if self.mode == "stats" and "io_sample" in self.names:
             self._keep("io_sample_y", out)
         elif self.mode == "backward" and out.requires_grad and "out_grad_cov" in self.names:
@@ -179,7 +179,7 @@ class StatsCollector:
             self._attr = {"n": ATTRIB_TOKENS, "x": [], "y": [], "ids": [],
                           "contrib": torch.zeros(ATTRIB_TOKENS, k, h)}  # fmt: skip
         if self._off < self._attr["n"]:
-            self._attr["x"].append(x.detach().float()[: self._attr["n"] - self._off].clone())
+            self._attr["x"].append(x.detach()[: self._attr["n"] - self._off].float().cpu().clone())
 
     def _trace_expert(self, tok: torch.Tensor, slot: torch.Tensor, y: torch.Tensor) -> None:
         g = tok + self._off
@@ -187,7 +187,8 @@ class StatsCollector:
         if bool(keep.any()):
             assert self._weights is not None
             w = self._weights[tok[keep], slot[keep]].float()[:, None]
-            self._attr["contrib"][g[keep], slot[keep]] += w * y.detach().float()[keep]  # type: ignore[index]
+            part = (w * y.detach().float()[keep]).cpu()
+            self._attr["contrib"][g[keep].cpu(), slot[keep].cpu()] += part  # type: ignore[index]
 
     def attribution_sample(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x [n, H], y [n, H], w·y per slot [n, k, H], logical ids [n, k])`` of the traced tokens."""
@@ -240,7 +241,7 @@ class StatsCollector:
             else:  # pragma: no cover - every accumulated name is listed above
                 raise KeyError(name)
             if name in self.names:
-                out[name] = v.float()
+                out[name] = v.float().cpu()
         for key, (best, chan) in self._absmax.items():
             out[f"{key}_absmax"], out[f"{key}_argmax"] = best.clone(), chan.clone()
         for key, parts in self._io.items():

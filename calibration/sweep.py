@@ -117,6 +117,24 @@ def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
         )
 
 
+def to_device(obj, device: torch.device):
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``: the
+    activations stay on the host and visit the compute device one batch at a time."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _run(mod, x: torch.Tensor, args: tuple, kw: dict, device: torch.device):
+    """One batch through a materialised decoder layer on ``device``; the output back on the host (on the
+    CPU every move is a no-op)."""
+    return to_device(mod(x.to(device), *to_device(args, device), **to_device(kw, device)), torch.device("cpu"))
+
+
 OnLayer = Callable[[int, MoELayer, dict[str, torch.Tensor]], "MoELayer | None"]
 """Called after layer ``i``'s forward statistics; may return a layer to propagate with instead."""
 
@@ -168,7 +186,7 @@ def run_calibration(
                     if col is not None:
                         col.mode = "holdout" if batches.holdout[b] else "stats"
                     args, kw = kwargs[b][i]
-                    outs.append(mod(x, *args, **kw))
+                    outs.append(_run(mod, x, args, kw, skel.device))
             del mod
             _check_outputs(i, outs)
             if trace is not None:
@@ -180,7 +198,7 @@ def run_calibration(
                 if replacement is not None:
                     with torch.no_grad():
                         mod = skel.layer(i, replacement, None)
-                        outs = [mod(x, *kwargs[b][i][0], **kwargs[b][i][1]) for b, x in enumerate(hidden)]
+                        outs = [_run(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(hidden)]
                         del mod
                 del replacement, stats
             # drop every reference to this layer before the next one is read: peak = one layer
@@ -204,7 +222,8 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
     loss = 0.0
     for b, h in enumerate(hidden):
         if not batches.holdout[b]:
-            part, grads[b] = skel.lm_loss_and_grad(h, batches.ids[b], total)
+            part, g = skel.lm_loss_and_grad(h, batches.ids[b], total)
+            grads[b] = g.cpu()
             loss += part
     del hidden
     for i in tqdm(
@@ -220,13 +239,14 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
         if col is not None:
             col.mode = "backward"
         mod = skel.layer(i, moe, col)
+        dev = skel.device
         for b in grads:
-            x = inputs[b].detach().requires_grad_(True)
-            args, kw = kwargs[b][i]
+            x = inputs[b].detach().to(dev).requires_grad_(True)
+            args, kw = to_device(kwargs[b][i], dev)
             with torch.enable_grad():
                 out = mod(x, *args, **kw)
-                out.backward(grads[b])
-            grads[b] = x.grad
+                out.backward(grads[b].to(dev))
+            grads[b] = x.grad.cpu()
         # the autograd graph of `out` holds the gradient hooks, which hold the collector and the layer
         mod = inputs = out = x = None
         if col is not None:

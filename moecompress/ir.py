@@ -288,3 +288,44 @@ def cast_layer(layer: MoELayer, dtype: torch.dtype) -> MoELayer:
         router_bias=t(layer.router_bias),
         shared_gate=t(layer.shared_gate),
     )
+
+
+def layer_to(layer: MoELayer, device: torch.device | str) -> MoELayer:
+    """``layer`` with every tensor on ``device`` (the layer itself when it is already there): the
+    calibration and pass compute device (``calibration.device``)."""
+    device = torch.device(device)
+
+    def t(x):
+        return None if x is None else x.to(device)
+
+    def bank(b: ExpertBank | None) -> ExpertBank | None:
+        if b is None:
+            return None
+        return dataclasses.replace(
+            b,
+            gate=b.gate.to(device),
+            up=b.up.to(device),
+            down=b.down.to(device),
+            widths=t(b.widths),
+            biases={k: v.to(device) for k, v in b.biases.items()},
+            rotation=t(b.rotation),
+        )
+
+    held = [layer.router_weight, layer.router_bias, layer.score_bias, layer.shared_gate, layer.expert_map,
+            layer.routing_similarity]  # fmt: skip
+    for b in (layer.experts, layer.shared):
+        if b is not None:
+            held += [b.widths, b.rotation, *b.biases.values()]
+            held += [x for lay in (b.gate, b.up, b.down) for x in lay.tensors().values()]
+    if all(x.device == device for x in held if x is not None):
+        return layer
+    return layer.replace(
+        experts=bank(layer.experts),
+        shared=bank(layer.shared),
+        router_weight=t(layer.router_weight),
+        router_bias=t(layer.router_bias),
+        score_bias=t(layer.score_bias),
+        shared_gate=t(layer.shared_gate),
+        expert_map=t(layer.expert_map),
+        routing_similarity=t(layer.routing_similarity),
+    )

@@ -13,7 +13,7 @@ import pytest
 import moecompress.layouts as layouts_pkg
 from moecompress.engine.spec import PassSpec
 from moecompress.layouts.base import Layout
-from moecompress.passes import BUILTIN_PASSES
+from moecompress.passes import BUILTIN_PASSES, BUILTIN_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"moecompress": ROOT / "moecompress", "moecompress.kernels": ROOT / "kernels",
@@ -154,8 +154,8 @@ def test_no_registration_by_import_side_effect():
 def test_the_tables_list_every_pass_and_layout():
     pass_files = {p.stem for p in (ROOT / "moecompress" / "passes").glob("*.py")} - {
         "__init__", "neuron_pruning", "expert_merging"}  # fmt: skip
-    modules = {spec.fn.__module__.rpartition(".")[2] for spec in BUILTIN_PASSES.values()}
-    assert modules == pass_files, "every pass file has its SPEC in BUILTIN_PASSES"
+    modules = {spec.fn.__module__.rpartition(".")[2] for spec in [*BUILTIN_PASSES.values(), *BUILTIN_STAGES.values()]}
+    assert modules == pass_files, "every pass file has its SPEC in BUILTIN_PASSES (or BUILTIN_STAGES)"
     assert all(isinstance(s, PassSpec) and name == s.name for name, s in BUILTIN_PASSES.items())
     layout_files = {p.stem for p in (ROOT / "moecompress" / "layouts").glob("*.py")} - {"__init__", "base", "bitpack"}
     kinds = {cls.__module__.rpartition(".")[2] for cls in layouts_pkg.LAYOUTS.values()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -189,7 +190,9 @@ def test_model_dir_must_exist(tmp_path):
 def test_hf_source_without_datasets_package(model_dir, corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # blocks the import, as for an absent package
     for source in ("hf:wikitext", f"hf:text:{corpus}"):
-        with pytest.raises(MissingExtraError, match=r'needs datasets, .*pip install "moecompress\[data\]"') as e:
+        with pytest.raises(
+            MissingExtraError, match=r'needs datasets, .*pip install "moecompress\[data\]"'
+        ) as e:
             load(source, model_dir)
         assert "\n" not in str(e.value) and source.split(":")[1] in str(e.value)
     assert fingerprint(f"hf:text:{corpus}", model_dir)  # local files: hashed, the library is not needed
@@ -266,7 +269,10 @@ def test_hf_bad_input_is_one_line(model_dir, tmp_path):
         (f"hf:parquet:{t}/c.parquet", r"has no 'text' column \(columns: \['content'\]\); name the column"),
         (f"hf:parquet:{t}/c.parquet#body", r"no 'body' column"),
         (f"hf:parquet:{t}/ints.parquet", "column 'text' is not a string column"),
-        (f"hf:json:{t}/bad.jsonl", r"could not load Hugging Face dataset hf:json:.*bad.jsonl \(.*check the files"),
+        (
+            f"hf:json:{t}/bad.jsonl",
+            r"could not load Hugging Face dataset hf:json:.*bad.jsonl \(.*check the files",
+        ),
         (f"hf:xml:{t}/c.parquet", "is neither a local form .* nor a Hub dataset id"),
         (f"hf:{t}/c.parquet", "is neither a local form"),
         (f"hf:text:{t}/a.txt#col", "takes no #COLUMN"),
@@ -287,7 +293,12 @@ def test_hf_bad_input_is_one_line(model_dir, tmp_path):
 
 def test_hf_hub_form_is_parsed_without_network():
     spec = sources._parse("hf:org/wiki:raw@test#body")
-    assert (spec.kind, spec.hf_form, spec.hf, spec.column) == ("hf", "hub", ("org/wiki", "raw", "test"), "body")
+    assert (spec.kind, spec.hf_form, spec.hf, spec.column) == (
+        "hf",
+        "hub",
+        ("org/wiki", "raw", "test"),
+        "body",
+    )
     assert sources._parse("hf:wikitext").hf == ("wikitext", None, "train")
     assert sources._parse("hf:wikitext").column == "text"
 
@@ -353,8 +364,10 @@ def test_shared_corpus_through_datasets_equals_file():
     kw = {"model_dir": ref, "samples": 16, "seq_len": 256, "seed": 0}
     hf = load_token_ids(f"hf:text:{corpus}", **kw)
     assert torch.equal(hf, load_token_ids(f"file:{corpus}", **kw))
-    assert torch.equal(load_token_ids(f"hf:text:{corpus}", split="eval", **kw), load_token_ids(
-        f"file:{corpus}", split="eval", **kw))
+    assert torch.equal(
+        load_token_ids(f"hf:text:{corpus}", split="eval", **kw),
+        load_token_ids(f"file:{corpus}", split="eval", **kw),
+    )
 
 
 def test_hf_text_calibration_statistics_equal_file(corpus, model_dir, tmp_path):
@@ -381,3 +394,112 @@ def test_hf_text_calibration_statistics_equal_file(corpus, model_dir, tmp_path):
     for name in files:  # ... holding identical statistics
         a, b = load_file(entries[0] / name), load_file(entries[1] / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+# --- large splits: sampled by windows, never tokenised whole ------------------------------------------
+
+
+def _numbered_text(lines: int) -> str:
+    """Lines that each carry their number twice (so any window can be located) and non-ASCII words."""
+    filler = " ".join(t for _, t in builtin_texts()).split()
+    return "".join(f"L{i:05d} {' '.join(filler[3 * i : 3 * i + 3])} é中文 M{i:05d}\n" for i in range(lines))
+
+
+def _tokenised(monkeypatch) -> list[int]:
+    """Record the characters handed to the tokenizer; the whole-text path must not run."""
+    seen: list[int] = []
+    encode = sources._encode
+
+    def counting(tokenizer, texts):
+        seen.extend(len(t) for t in texts)
+        return encode(tokenizer, texts)
+
+    def whole(*a, **k):
+        raise AssertionError("a large split must not be tokenised whole")
+
+    monkeypatch.setattr(sources, "_encode", counting)
+    monkeypatch.setattr(sources, "_tokenise", whole)
+    return seen
+
+
+def test_a_large_file_is_sampled_by_disjoint_windows_of_real_text(tmp_path, model_dir, decode, monkeypatch):
+    text = _numbered_text(3000)
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    samples, seq_len = 8, 32
+    seen = _tokenised(monkeypatch)
+    ids = load(f"file:{path}", model_dir, samples=samples, seq_len=seq_len, seed=0)
+    assert ids.shape == (samples, seq_len) and ids.dtype == torch.int64
+    assert sum(seen) <= 2 * samples * seq_len * sources._READ_BYTES_PER_TOKEN < len(text) // 20
+    assert torch.equal(ids, load(f"file:{path}", model_dir, samples=samples, seq_len=seq_len, seed=0))
+    assert not torch.equal(ids, load(f"file:{path}", model_dir, samples=samples, seq_len=seq_len, seed=1))
+    cal_bytes = len(sources._split_text(text, "calibration").encode())
+    spans = []
+    for row in ids:
+        window = decode(row)
+        assert window[0].isspace() or text.startswith(window), window  # starts at a word, not inside one
+        core = window.rstrip("\ufffd")  # the last token may end inside a character; the first never does
+        assert "\ufffd" not in core and core in text
+        start = len(text[: text.index(core)].encode())  # unique: every few bytes carry a line number
+        spans.append((start, start + len(core.encode())))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "windows overlap"
+    assert [s * samples // cal_bytes for s, _ in spans] == list(range(samples)), "one window per range"
+    ev = load(f"file:{path}", model_dir, samples=4, seq_len=16, split="eval")
+    tail = sources._split_text(text, "eval")
+    assert all(decode(row).rstrip("\ufffd") in tail for row in ev)
+
+
+@pytest.mark.parametrize("with_datasets", [False, True])
+def test_sampled_windows_are_the_same_for_crlf_files_lists_and_datasets(
+    tmp_path, model_dir, monkeypatch, with_datasets
+):
+    text = _numbered_text(1500)
+    (tmp_path / "lf").mkdir()
+    (tmp_path / "crlf").mkdir()
+    for i, part in enumerate((text[: len(text) // 3], text[len(text) // 3 :])):
+        (tmp_path / "lf" / f"{i}.txt").write_text(part)
+        (tmp_path / "crlf" / f"{i}.txt").write_bytes(part.replace("\n", "\r\n").encode())
+    _tokenised(monkeypatch)
+    kw = {"samples": 6, "seq_len": 24, "seed": 3}
+    lf = load(f"file:{tmp_path / 'lf'}", model_dir, **kw)
+    assert torch.equal(lf, load(f"file:{tmp_path / 'crlf'}", model_dir, **kw))  # read as text mode does
+    assert torch.equal(
+        lf, load(f"file:{tmp_path / 'lf' / '0.txt'},{tmp_path / 'lf' / '1.txt'}", model_dir, **kw)
+    )
+    if with_datasets:
+        pytest.importorskip("datasets")
+        assert torch.equal(lf, load(f"hf:text:{tmp_path / 'crlf'}", model_dir, **kw))
+
+
+def test_small_splits_are_tokenised_whole_as_before(tmp_path, model_dir):
+    text = _numbered_text(60)  # ~3 kB, less than 16 bytes per requested token
+    path = tmp_path / "small.txt"
+    path.write_text(text)
+    tok = sources._load_tokenizer(model_dir)
+    for split, samples in (("calibration", 8), ("eval", 2)):
+        got = load(f"file:{path}", model_dir, samples=samples, seq_len=24, seed=5, split=split)
+        ids = sources._tokenise(tok, [sources._split_text(text, split)])
+        assert torch.equal(got, sources._windows(ids, samples, 24, 5, what="t")), split
+
+
+def test_ranges_too_short_for_a_window_fall_back_to_the_whole_text(tmp_path, model_dir, caplog):
+    d = tmp_path / "many"
+    d.mkdir()
+    words = " ".join(t for _, t in builtin_texts()).split()
+    for i in range(200):  # 200 files of ~6 words: no file holds a 48-token window
+        (d / f"{i:03d}.txt").write_text(" ".join(words[6 * i : 6 * i + 6]))
+    tok = sources._load_tokenizer(model_dir)
+    with caplog.at_level(logging.INFO, logger=sources.__name__):
+        got = load(f"file:{d}", model_dir, samples=2, seq_len=48, seed=0)
+    assert "tokenising it whole" in caplog.text
+    texts = [sources._split_text(p.read_text(), "calibration") for p in sorted(d.glob("*.txt"))]
+    assert torch.equal(got, sources._windows(sources._tokenise(tok, texts), 2, 48, 0, what="t"))
+
+
+def test_a_large_file_is_checked_for_utf8_beyond_the_windows(tmp_path, model_dir):
+    path = tmp_path / "late.txt"
+    path.write_bytes(_numbered_text(3000).encode() + b"\xff tail\n")
+    with pytest.raises(CalibrationError, match=r"late.txt is not UTF-8 text \(invalid start byte\)") as err:
+        load(f"file:{path}", model_dir)
+    assert "\n" not in str(err.value)

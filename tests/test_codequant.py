@@ -262,3 +262,25 @@ def test_shared_experts_are_quantised_stored_in_the_format_and_load(model_type, 
               "steps": [{"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "none", "shared": False}}]},
              progress=False)  # fmt: skip
     assert isinstance(mc.open_checkpoint(kept).read_layer(i).shared.gate, Dense)
+
+
+def test_batched_kmeans_sorted_assignment_is_nearest_and_results_do_not_depend_on_the_chunking():
+    from moecompress.methods.kmeans import SortedRows
+
+    g = torch.Generator().manual_seed(7)
+    v = torch.randn(37, 50, generator=g)
+    v[:5] = v[:5].round()  # ties: repeated values and values on a midpoint
+    c = torch.randn(37, 6, generator=g)
+    c[:5] = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0, 0.0])  # midpoints at ±0.5, ±1.5; a duplicate centroid
+    v[:5, :4] = torch.tensor([0.5, -0.5, 1.5, -1.5])
+    for chunk in (50, 7 * 50, 1 << 20):
+        assert torch.equal(SortedRows(v, chunk_values=chunk).assign(c), nearest(v, c))
+    whole = kmeans_1d(v, 4, seed=1)
+    for chunk in (50, 3 * 50):  # one row at a time, three rows at a time
+        part = kmeans_1d(v, 4, seed=1, chunk_values=chunk)
+        assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
+    cents, codes = whole
+    assert torch.equal(codes, nearest(v.double(), cents.double()))  # a fixed point of the assignment
+    for r in range(len(v)):  # every centroid is the mean of its values (Lloyd's fixed point)
+        for k in codes[r].unique():
+            assert torch.allclose(cents[r, k], v[r][codes[r] == k].double().mean().float(), atol=1e-6)

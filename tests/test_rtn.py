@@ -240,3 +240,23 @@ def test_default_rtn_runs_on_every_reference_model(shared_dir, tmp_path, name):
     layers = json.loads((res.output_dir / "steps" / "01-rtn" / "report.json").read_text())["layers"]
     assert layers and all(r["info"]["group_size"] in (128, 64, 32, 16) for r in layers)
     assert all(r["rel_error"] < 0.2 for r in layers), [r["rel_error"] for r in layers]  # 4-bit: ~0.1
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_pass_stores_what_from_dense_stores_and_its_errors_match_the_decoded_weights(symmetric):
+    w = torch.randn(11, 16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    from moecompress.passes.rtn import quantize_bank
+
+    lay, errs = quantize_bank(w, 4, 16, symmetric, frozenset({2, 9}), chunk=3)  # chunks cut mid-bank
+    ref = RTN.from_dense(w, 4, 16, symmetric=symmetric, protected={2, 9})
+    got, want = lay.tensors(), ref.tensors()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert lay.meta() == ref.meta()
+    ids = [e for e in range(11) if e not in (2, 9)]
+    dec = torch.stack([ref.expert(e).float() for e in ids])  # bf16 logical dtype: compare in float32
+    q = [ref.quantised(e) for e in ids]
+    from moecompress.methods.scalar_quant import dequantize
+
+    exact = torch.stack([dequantize(*t, 4) for t in q])
+    want_errs = ((exact - w[ids].float()).flatten(1).norm(dim=1) / w[ids].float().flatten(1).norm(dim=1)).tolist()
+    assert errs == want_errs and dec.shape == exact.shape

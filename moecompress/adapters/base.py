@@ -151,8 +151,10 @@ class Adapter(ABC):
         extra = sorted(k for k in keys if k.startswith(prefix) and k not in expected)
         if extra:
             hint = (
-                " (quantized checkpoints must be dequantized first)"
-                if any(s in extra[0] for s in ("scale", "blocks", "qweight", "zeros"))
+                " (quantised tensors, but config.json has no quantization_config that moecompress reads: "
+                "fp8 with weight_block_size, compressed-tensors or mxfp4; restore the release's "
+                "quantization_config, or use a dequantized checkpoint)"
+                if any(s in extra[0] for s in ("scale", "blocks", "qweight", "zeros", "packed"))
                 else ""
             )
             raise AdapterError(

@@ -3,7 +3,8 @@
 ``gate_up_proj_bias`` ``[E, 2I]``, ``mlp.experts.down_proj`` ``[E, I, H]`` with ``down_proj_bias``
 ``[E, H]``; router ``mlp.router.weight`` + ``mlp.router.bias``. Routing: top-k of the logits, softmax
 over the k. Activation: clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``). The released MXFP4
-checkpoints (``*_blocks``/``*_scales``) must be dequantized first; the adapter reports them."""
+checkpoints (``*_blocks``/``*_scales``, ``quant_method: mxfp4``) are read through
+:mod:`moecompress.io.quantized_mxfp4`, which presents exactly these bf16 names and shapes."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moecompress.engine.recipe import Recipe
+from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
 
 
@@ -26,7 +27,33 @@ class RunContext:
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, ckpt: Checkpoint, *, progress: bool = True) -> RunContext:
-        return cls(dtype=compute_dtype(recipe, ckpt), seed=recipe.calibration.seed, progress=progress)
+        return cls(
+            dtype=compute_dtype(recipe, ckpt),
+            device=resolve_device(recipe.calibration.device),
+            seed=recipe.calibration.seed,
+            progress=progress,
+        )
+
+
+def resolve_device(name: str) -> str:
+    """``calibration.device`` as a concrete device: ``auto`` is ``cuda`` when PyTorch sees a CUDA device,
+    else ``cpu``; an unavailable CUDA device is a :class:`RecipeError` (raised in the dry run)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(name.partition(":")[2] or 0)
+    if index >= count:
+        why = (
+            f"PyTorch {torch.__version__} sees no CUDA device"
+            if count == 0
+            else f"this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+        )
+        raise RecipeError(
+            f"calibration.device: {name!r} is not available ({why}); use device: auto or cpu"
+        )
+    return name
 
 
 def compute_dtype(recipe: Recipe, ckpt: Checkpoint) -> torch.dtype:

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
-from moecompress.engine import resources
-from moecompress.engine.context import compute_dtype
+from moecompress.engine import resources, segments
+from moecompress.engine.context import compute_dtype, resolve_device
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
 from moecompress.extras import require
 from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.format import is_stock
+from moecompress.io.quantized import dequantized_output
 from moecompress.ir import MoELayer
 
 SMALL_INDEX = 1 << 20
@@ -88,11 +90,18 @@ def chain(recipe: Recipe, layer: MoELayer) -> list[MoELayer]:
     return out
 
 
+def _stat_dims(recipe: Recipe, layer: MoELayer) -> dict[str, int]:
+    c = recipe.calibration
+    return {"E": layer.experts.num_experts, "I": layer.experts.width, "H": layer.hidden_size,
+            "N": min(c.sample_tokens, c.samples * c.seq_len), "NH": c.holdout_samples * c.seq_len, "S": 1}  # fmt: skip
+
+
 def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     """Check the recipe on shapes; raise before any weight or token is touched. Returns the plan: the
     statistics to collect and the estimated bytes of each step's output."""
     needs = set(recipe.needs) | ALWAYS
     check_extras(recipe)
+    device = resolve_device(recipe.calibration.device)
     _check_propagation(recipe, needs)
     if not ckpt.moe_layer_indices:
         raise RecipeError(f"recipe field 'model': {ckpt.path} has no MoE layers")
@@ -102,18 +111,34 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         raise RecipeError(f"recipe field 'copy_extra': {err}") from None
     moe_in = 0
     moe_out = [0] * len(recipe.steps)
+    dtype = compute_dtype(recipe, ckpt)
+    step_memory: dict[str, dict[str, int]] = {}
+    emitted = [s for s in recipe.steps if not s.spec.report_only]
+    written = emitted if recipe.emit == "every_step" else emitted[-1:]
+    nonstock: tuple[str, int] | None = None
     for i in ckpt.moe_layer_indices:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
-        for n, emitted in enumerate(chain(recipe, layer)):
-            moe_out[n] += emitted.nbytes()
+        stats = resources.stat_bytes(needs, _stat_dims(recipe, layer))
+        before = layer
+        for n, out in enumerate(chain(recipe, layer)):
+            moe_out[n] += out.nbytes()
+            step = recipe.steps[n]
+            if ckpt.quantization and nonstock is None and step in written and not is_stock(out, ckpt.adapter):
+                nonstock = (step.label, i)  # on a quantised input: write dequantised, or refuse (keep)
+            work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
+            peak = resources.step_peak(before, out, dtype, stats, work, first=n == 0, written=step in written)
+            if peak > step_memory.get(step.label, {}).get("bytes", -1):
+                step_memory[step.label] = {"bytes": peak, "layer": i, "input_bytes": before.nbytes(),
+                                           "output_bytes": out.nbytes(), "workspace_bytes": work,
+                                           "stats_bytes": stats}  # fmt: skip
+            before = out
     in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)
-    emitted = [s for s in recipe.steps if not s.spec.report_only]
-    written = emitted if recipe.emit == "every_step" else emitted[-1:]
-    return {
+    plan = {
         **resources.estimate(recipe, ckpt, compute_dtype(recipe, ckpt)),
         "written_steps": [s.label for s in written],
         "model_type": ckpt.model_type,
+        "device": device,
         "moe_layers": ckpt.moe_layer_indices,
         "steps": [s.label for s in recipe.steps],
         "statistics": sorted(needs),
@@ -124,4 +149,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             s.label: in_bytes - moe_in + moe_out[n] for n, s in enumerate(recipe.steps) if not s.spec.report_only
         },
         "calibration_tokens": recipe.calibration.samples * recipe.calibration.seq_len,
+        "step_memory": step_memory,
+        "dequantize_output": dequantized_output(ckpt, recipe.quantized_input, nonstock),
     }
+    return {**plan, **segments.stage_plan(recipe, ckpt, plan)} if segments.has_stages(recipe) else plan

@@ -34,7 +34,7 @@ from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.engine import resources
+from moecompress.engine import resources, segments
 from moecompress.engine.context import RunContext
 from moecompress.engine.dry_run import dry_run
 from moecompress.engine.journal import JOURNAL, finished, resumable, staging_dir
@@ -153,6 +153,7 @@ def calibrate_stats(
         "propagate": c.propagate,
         "tokens": tokens_key(ids),
         "extra": cache_key_extra,
+        **({"device": torch.device(ctx.device).type} if ctx.device != "cpu" else {}),  # other arithmetic
     }
     cache = StatsCache(root, model_key(ckpt), key)
     found = cache.find(needs) if on_layer is None else None
@@ -164,7 +165,7 @@ def calibrate_stats(
         t0 = time.perf_counter()
         try:
             summary = run_calibration(
-                Skeleton(ckpt, ctx.dtype),
+                Skeleton(ckpt, ctx.dtype, ctx.device),
                 Batches.make(ids, c.holdout_samples, c.batch_size),
                 needs,
                 sample_tokens=c.sample_tokens,
@@ -245,6 +246,10 @@ def apply(
         if not resume and out.exists() and not overwrite:  # it may have appeared while we checked
             raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
         try:
+            if segments.has_stages(rec):  # whole-model stages: the recipe runs as segments
+                sub = lambda r, again: apply(r, resume=again, overwrite=True, progress=progress).report  # noqa: E731
+                report = segments.run_segments(rec, ckpt, plan, resume=resume, progress=progress, run_layers=sub)
+                return RunResult(out, report)
             return _compress(rec, ckpt, plan, fingerprint, journal, progress)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; {_leftover(rec)}") from None
@@ -263,11 +268,11 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
     compressed = rec.calibration.propagate == "compressed"
     entry, calib = calibrate_stats(
         rec, ckpt, ids, fingerprint, ctx,
-        on_layer=compress_for_propagation(rec) if compressed else None,
+        on_layer=compress_for_propagation(rec, ctx.device) if compressed else None,
         cache_key_extra=rec.fingerprint() if compressed else "",
     )  # fmt: skip
     plans = run_plans(rec, ckpt, entry)
-    run = RecipeRun(rec, ckpt, entry, plans, ctx, journal)
+    run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
     run.loop()
     return RunResult(Path(rec.output), run.finish(calib, t0, plan), cache_entry=entry)
 
@@ -286,6 +291,10 @@ def _leftover(rec: Recipe, keep: bool = True) -> str:
     """After a failed run: keep the staging directory when ``--resume`` can use it (a journal of
     durable layers exists and the failure was not the recipe's), else remove it; say which."""
     staging = staging_dir(rec.output)
+    kept = segments.leftover_note(rec)
+    if kept:
+        shutil.rmtree(staging, ignore_errors=True)
+        return kept
     if keep and (staging / JOURNAL).is_file():
         return f"the durable layers are kept in {staging}: run the same command with --resume to continue"
     shutil.rmtree(staging, ignore_errors=True)

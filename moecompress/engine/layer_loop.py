@@ -6,6 +6,11 @@ ends at a layer boundary, which is what ``--resume`` needs) and ``on_flush`` is 
 group; an MoE layer is handed to ``on_moe`` (which reads, transforms and adds its tensors); every other
 tensor of the group is read once and copied to every writer. Only one layer is in memory at a time.
 
+The copy is raw: the on-disk names and bytes (:attr:`Checkpoint.raw`), so a quantised input's FP8 or
+packed tensors and their scales pass through unchanged; only ``on_moe`` sees the logical (dequantised)
+view, and writes an MoE layer that no step changed from its raw tensors too
+(:func:`raw_layer_tensors`).
+
 ``moecompress apply`` (:mod:`moecompress.engine.run`) and :func:`rewrite_checkpoint` are both this loop.
 """
 
@@ -18,6 +23,7 @@ from tqdm.auto import tqdm
 
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
+from moecompress.io.quantized import check_stock_output, output_quantization_config
 from moecompress.io.routing import stored_policy
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
@@ -32,14 +38,17 @@ def stream_layers(
     on_flush: Callable[[int], None] | None = None,
     progress: bool = True,
     desc: str = "layers",
+    raw: bool = True,
 ) -> None:
-    """Run the loop described in the module docstring, from group ``start_group`` on."""
+    """Run the loop described in the module docstring, from group ``start_group`` on; ``raw=False``
+    copies a quantised input's other tensors dequantised (its logical view) instead."""
     moe = set(ckpt.moe_layer_indices)
-    groups = ckpt.key_groups()
+    source = ckpt.raw if raw else ckpt.reader
+    groups = ckpt.key_groups(raw=raw)
     for g, (idx, keys) in enumerate(tqdm(groups, desc=desc, unit="layer", disable=not progress)):
         if g < start_group:
             continue
-        need = sum(ckpt.reader.nbytes(k) for k in keys)
+        need = sum(source.nbytes(k) for k in keys)
         if any(w.buffered_bytes and w.buffered_bytes + need > w.max_shard_size for w in writers):
             for w in writers:
                 w.flush()
@@ -48,12 +57,18 @@ def stream_layers(
         owned: set[str] = set()
         if idx in moe:
             on_moe(idx)
-            owned = set(ckpt.moe_keys(idx))
+            owned = set(ckpt.raw_moe_keys(idx) if raw else ckpt.moe_keys(idx))
         rest = [k for k in keys if k not in owned]
         if rest and writers:
-            tensors = ckpt.reader.get_many(rest)
+            tensors = source.get_many(rest)
             for w in writers:
                 w.add_many(tensors)
+
+
+def raw_layer_tensors(ckpt: Checkpoint, idx: int) -> dict | None:
+    """The on-disk tensors of MoE layer ``idx`` of a quantised input (to write an unchanged layer in its
+    original encoding, byte for byte); ``None`` for any other input (re-encoded as before)."""
+    return ckpt.raw.get_many(ckpt.raw_moe_keys(idx)) if ckpt.quantization else None
 
 
 def rewrite_checkpoint(
@@ -69,7 +84,8 @@ def rewrite_checkpoint(
     """Stream ``src`` into ``dst`` one decoder layer at a time, passing every MoE layer through ``fn``.
 
     With ``fn=None`` the output holds byte-identical tensors (in the Hub's per-expert names unless
-    ``fused``). Non-weight files (tokenizer, configs) are copied. The output appears atomically.
+    ``fused``; a quantised input keeps its on-disk names, encoding and ``quantization_config``).
+    Non-weight files (tokenizer, configs) are copied. The output appears atomically.
     """
     check_output_dir(dst, overwrite)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
@@ -77,17 +93,24 @@ def rewrite_checkpoint(
     shapes: dict[int, list[int]] = {}
     protected: dict[str, list[int]] = {}
     routing: dict[str, dict] = {}
+    changed: set[int] = set()
     with ShardWriter(dst, max_shard_size=max_shard_size, overwrite=overwrite) as writer:
 
         def on_moe(idx: int) -> None:
-            layer = ckpt.read_layer(idx)
+            layer = original = ckpt.read_layer(idx)
             if fn is not None:
                 layer = fn(layer)
-            if fused and idx not in ckpt.layouts:
+            raw = raw_layer_tensors(ckpt, idx) if layer is original else None
+            if raw is not None:
+                tensors, descs[idx] = raw, None
+            elif fused and idx not in ckpt.layouts:
                 tensors = {**ckpt.adapter.layer_tensors(layer, fused=True), **encode_routing(ckpt.adapter, layer)}
                 descs[idx] = None
             else:
                 tensors, descs[idx] = encode_layer(ckpt.adapter, layer)
+            if raw is None:
+                check_stock_output(ckpt, idx, descs[idx])
+                changed.add(idx)
             shapes[idx] = layer_shape(layer)
             if layer.protected:
                 protected[str(idx)] = sorted(layer.protected)
@@ -105,5 +128,5 @@ def rewrite_checkpoint(
             adapter=ckpt.adapter,
             provenance=provenance_block(ckpt.raw_config.get("moecompress"), protected, routing),
         )
-        writer.write_json("config.json", cfg)
+        writer.write_json("config.json", output_quantization_config(ckpt, cfg, changed))
         return writer.commit()

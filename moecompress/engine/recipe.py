@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from moecompress.engine.spec import PassConfig, PassSpec
 from moecompress.errors import RecipeError
-from moecompress.passes import BUILTIN_PASSES
+from moecompress.passes import BUILTIN_PASSES, BUILTIN_STAGES
 
 
 def _path_text(value: str | None) -> str | None:
@@ -60,6 +61,10 @@ class CalibrationConfig(BaseModel):
     sample_tokens: int = Field(512, ge=1, description="size of the bounded sample of MoE inputs/outputs")
     offload: Literal["auto", "ram", "disk"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field(
+        "auto",
+        description="where calibration and the pass maths run: auto (CUDA when present) | cpu | cuda[:N]",
+    )
     cache_dir: str | None = None
     memory_limit: int | str | None = Field(
         None, description="refuse a calibration estimated to need more memory (default: what is available)"
@@ -69,6 +74,13 @@ class CalibrationConfig(BaseModel):
     @classmethod
     def _cal_paths(cls, value: str | None) -> str | None:
         return _path_text(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is None:
+            raise ValueError("must be auto (CUDA when present), cpu, cuda or cuda:N")
+        return value
 
     @field_validator("memory_limit")
     @classmethod
@@ -129,6 +141,12 @@ class _RecipeModel(BaseModel):
     copy_extra: list[str] = Field(
         default_factory=list, description="input files to copy besides the tokenizer, configs and license files"
     )
+    quantized_input: Literal["auto", "keep", "dequantize"] = Field(
+        "auto",
+        description="a quantised input's untouched tensors: keep (their encoding, byte for byte), dequantize "
+        "(everything in the compute dtype, so that moecompress layouts can be written), auto (keep unless a "
+        "written step needs the moecompress format)",
+    )
     steps: list[Any] = Field(min_length=1)
 
     @field_validator("model", "output", "copy_extra")
@@ -156,6 +174,7 @@ class Recipe:
     max_shard_size: int | str
     steps: tuple[Step, ...]
     copy_extra: tuple[str, ...] = ()
+    quantized_input: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as YAML would hold it."""
@@ -166,6 +185,7 @@ class Recipe:
             "emit": self.emit,
             "max_shard_size": self.max_shard_size,
             **({"copy_extra": list(self.copy_extra)} if self.copy_extra else {}),
+            **({"quantized_input": self.quantized_input} if self.quantized_input != "auto" else {}),
             "steps": [{s.name: s.config.model_dump(mode="json")} for s in self.steps],
         }
 
@@ -278,8 +298,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str
 
 
 def pass_table(extra: Iterable[PassSpec] = ()) -> dict[str, PassSpec]:
-    """The built-in passes plus ``extra`` ones (plugins, tests); a name may not be taken twice."""
-    table = dict(BUILTIN_PASSES)
+    """The built-in passes and stages plus ``extra`` ones (plugins, tests); a name may not be taken twice."""
+    table = {**BUILTIN_PASSES, **BUILTIN_STAGES}
     for spec in extra:
         if not isinstance(spec, PassSpec):
             raise RecipeError(f"passes=: expected PassSpec objects, got {type(spec).__name__}")
@@ -318,10 +338,11 @@ def load_recipe(
     source: str | Path | Mapping[str, Any],
     overrides: Iterable[str] | Mapping[str, Any] = (),
     *,
-    passes: Mapping[str, PassSpec] = BUILTIN_PASSES,
+    passes: Mapping[str, PassSpec] | None = None,
 ) -> Recipe:
     """Parse and validate a recipe (path to YAML, or a dict) with optional overrides; step names are
     looked up in ``passes`` (see :func:`pass_table`)."""
+    passes = pass_table() if passes is None else passes
     data = apply_overrides(_read(source), overrides)
     try:
         raw = _RecipeModel.model_validate(data)
@@ -337,4 +358,5 @@ def load_recipe(
         max_shard_size=raw.max_shard_size,
         steps=steps,
         copy_extra=tuple(raw.copy_extra),
+        quantized_input=raw.quantized_input,
     )

@@ -16,20 +16,23 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from moecompress._version import __version__
 from moecompress.calibration.cache import load_layer
 from moecompress.engine.context import RunContext
 from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
-from moecompress.engine.layer_loop import stream_layers
+from moecompress.engine.layer_loop import raw_layer_tensors, stream_layers
 from moecompress.engine.protection import MASSIVE_RATIO_WARNING, TopActivation
 from moecompress.engine.recipe import Recipe
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
+from moecompress.io.quantized import check_stock_output, output_quantization_config
 from moecompress.io.routing import stored_policy
 from moecompress.io.writer import ShardWriter, move_into_place
-from moecompress.ir import cast_layer
+from moecompress.ir import cast_layer, layer_to
 from moecompress.methods.metrics import relative_error, sqnr_db
 from moecompress.reference import moe_forward
 from moecompress.report.write import json_safe, write_run_report, write_step_report
@@ -62,9 +65,13 @@ class RecipeRun:
     """The state of one run: writers, per-layer report rows and infos, what the journal records."""
 
     def __init__(
-        self, rec: Recipe, ckpt: Checkpoint, entry: Path, plans: dict, ctx: RunContext, journal: dict | None
-    ) -> None:
+        self, rec: Recipe, ckpt: Checkpoint, entry: Path, plans: dict, ctx: RunContext, journal: dict | None,
+        *, dequantize: bool = False,
+    ) -> None:  # fmt: skip
+        """``dequantize``: a quantised input's tensors are all written in the compute dtype (the dry run's
+        ``dequantize_output``, :func:`moecompress.io.quantized.dequantized_output`)."""
         self.rec, self.ckpt, self.entry, self.plans, self.ctx = rec, ckpt, entry, plans, ctx
+        self.dequantize = dequantize
         self.out = Path(rec.output)
         self.staging = staging_dir(rec.output)
         self.dirs = _checkpoint_dirs(rec, self.staging)
@@ -114,21 +121,28 @@ class RecipeRun:
         )
 
     def moe_layer(self, idx: int) -> None:
+        # device-generic passes (PassSpec.on_device) and the reconstruction forwards run on the compute
+        # device, the others on the host; the writer takes every tensor to the host
+        dev, host = torch.device(self.ctx.device), torch.device("cpu")
         layer = self.ckpt.read_layer(idx)
-        stats = load_layer(self.entry, idx)
+        stats = {host: load_layer(self.entry, idx)}
+        if dev != host:
+            stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
         dtype = self.ctx.dtype
-        hx = stats.get("holdout_x")
+        hx = stats[dev].get("holdout_x")
         hy = None
         if hx is not None:  # the original block on the held-back tokens: the reference for every step
             hx = hx.to(dtype)
             top0 = TopActivation()
-            hy = moe_forward(cast_layer(layer, dtype), hx, top0)
+            hy = moe_forward(layer_to(cast_layer(layer, dtype), dev), hx, top0)
         errors = {"rel_error": 0.0, "sqnr_db": float("inf"), "massive_ratio": 1.0}  # of the unchanged layer
         for step in self.rec.steps:
+            where = dev if step.spec.on_device else host
+            layer = layer_to(layer, where)
             # sizes compare the step's input and output; the error is cumulative (vs the original block)
             before_params, before_bytes = layer.num_params(), layer.nbytes()
             t0 = time.perf_counter()
-            st = step_stats(step, idx, stats, plan=self.plans.get(step.number, {}).get(idx))
+            st = step_stats(step, idx, stats[where], plan=self.plans.get(step.number, {}).get(idx))
             new, info = run_step(step, layer, st)
             secs = time.perf_counter() - t0
             row = {
@@ -143,14 +157,21 @@ class RecipeRun:
             if hx is not None and hy is not None:
                 if new is not layer:  # an unchanged layer keeps the errors it had
                     top = TopActivation()
-                    approx = moe_forward(cast_layer(new, dtype), hx, top)
+                    approx = moe_forward(layer_to(cast_layer(new, dtype), dev), hx, top)
                     errors = {"rel_error": relative_error(hy, approx), "sqnr_db": sqnr_db(hy, approx),
                               "massive_ratio": top.value / top0.value if top0.value > 0 else 1.0}  # fmt: skip
                 row.update(errors)
             self.rows[step.number].append(row)
             self.infos[step.number][idx] = json_safe(info)
             if step.number in self.writers:
-                tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, new)
+                # a quantised input's layer that no step so far changed: its raw tensors, byte for byte
+                keep = not (self.dequantize or self._changed(idx, step.number))
+                raw = raw_layer_tensors(self.ckpt, idx) if keep else None
+                if raw is not None:
+                    tensors, self.descs[step.number][idx] = raw, None
+                else:
+                    tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, layer_to(new, host))
+                    check_stock_output(self.ckpt, idx, self.descs[step.number][idx], self.dequantize)
                 self.shapes[step.number][idx] = layer_shape(new)
                 if new.protected:
                     self.protected[step.number][str(idx)] = sorted(new.protected)
@@ -162,10 +183,14 @@ class RecipeRun:
             self.peak[step.number] = max(self.peak[step.number], rss_mb())
             layer = new
 
+    def _changed(self, idx: int, upto: int) -> bool:
+        """Whether a step numbered ``<= upto`` changed MoE layer ``idx`` (from the report rows)."""
+        return any(r["changed"] for n, rows in self.rows.items() if n <= upto for r in rows if r["layer"] == idx)
+
     def loop(self) -> None:
         stream_layers(
             self.ckpt, list(self.writers.values()), self.moe_layer, start_group=self.start_group,
-            on_flush=self.save_journal, progress=self.ctx.progress, desc="compress",
+            on_flush=self.save_journal, progress=self.ctx.progress, desc="compress", raw=not self.dequantize,
         )  # fmt: skip
 
     def _write_checkpoint_files(self) -> None:
@@ -188,6 +213,8 @@ class RecipeRun:
                 self.ckpt.raw_config, self.descs[n], self.shapes[n], adapter=self.ckpt.adapter,
                 provenance=provenance,
             )  # fmt: skip
+            changed = [i for i in self.ckpt.moe_layer_indices if self._changed(i, n)]
+            cfg = output_quantization_config(self.ckpt, cfg, changed, self.dequantize)
             write_json_atomic(self.dirs[n] / "config.json", cfg)
 
     def _step_reports(self) -> tuple[list[dict], list[str]]:

@@ -33,6 +33,14 @@ Fields of a spec:
 - ``summarize(infos, cfg) -> {"summary", "warnings", "plots"}``: the step report's summary.
 - ``report_only``: the step only reports (``analyze``); it never writes a checkpoint.
 - ``extras``: optional dependency groups the step needs (``("decompose",)``): checked in the dry run.
+- ``stage``: a :class:`StageSpec` makes the step a *whole-model stage* (``distill``): it is not run per
+  layer; the recipe is cut into segments there (:mod:`moecompress.engine.segments`, ``docs/training.md``).
+- ``on_device``: the pass's maths are device-generic (every tensor it creates follows its inputs'
+  device), so it runs on the run's compute device (``calibration.device``); other passes get the layer
+  and its statistics on the host.
+- ``workspace(layer, cfg) -> bytes``: memory the step allocates on one layer beyond its input and
+  output layers (stacked or whitened copies, solver state), from shapes: the dry run's memory estimate
+  adds it (``None``: nothing beyond them).
 """
 
 from __future__ import annotations
@@ -135,6 +143,35 @@ PassFn = Callable[[MoELayer, LayerStats, Any], "tuple[MoELayer, dict]"]
 
 
 @dataclass(frozen=True)
+class StageJob:
+    """What a whole-model stage is given: its input checkpoint (the previous segment's output, or the
+    recipe's input), the teacher (the recipe's input unless the step names one), the directory to
+    write its checkpoint into, the recipe's calibration settings and the run's device."""
+
+    label: str
+    config: Any
+    input_dir: Any
+    teacher_dir: Any
+    output_dir: Any
+    calibration: Any
+    max_shard_size: int | str = "5GB"
+    device: str = "cpu"
+    progress: bool = True
+    state_dir: Any = None
+    """Where the stage may keep its resumable state (kept by a failed run, removed when it finishes)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """``run(job) -> report`` writes ``job.output_dir`` (same layouts) and returns the step report's
+    ``summary``/``plots``/``warnings``; ``memory(job, student_bytes, teacher_bytes) -> bytes`` is the
+    dry run's estimate of its peak memory."""
+
+    run: Callable[[StageJob], dict]
+    memory: Callable[[StageJob, int, int], int]
+
+
+@dataclass(frozen=True)
 class PassSpec:
     """A recipe step: see the module docstring for every field."""
 
@@ -150,6 +187,9 @@ class PassSpec:
     needs_fn: Callable[[Any], Iterable[str]] | None = None
     report_only: bool = False
     extras: tuple[str, ...] = ()
+    stage: StageSpec | None = None
+    on_device: bool = False
+    workspace: Callable[[MoELayer, Any], int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "needs", frozenset(self.needs))

@@ -12,7 +12,7 @@ from moecompress.engine.protection import RENUMBER_KEY, protection_violations
 from moecompress.engine.recipe import Recipe, Step
 from moecompress.engine.spec import LayerStats
 from moecompress.errors import MoecompressError, PassError
-from moecompress.ir import MoELayer
+from moecompress.ir import MoELayer, layer_to
 
 
 def step_stats(
@@ -43,10 +43,13 @@ def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, 
     return new, info
 
 
-def compress_for_propagation(rec: Recipe):
-    """``calibration.propagate: compressed``: the layer that the next layer's inputs come from."""
+def compress_for_propagation(rec: Recipe, device: str = "cpu"):
+    """``calibration.propagate: compressed``: the layer that the next layer's inputs come from (the
+    steps run on the compute ``device``)."""
 
     def on_layer(i: int, layer: MoELayer, stats: dict[str, torch.Tensor]) -> MoELayer:
+        dev = torch.device(device)
+        layer, stats = layer_to(layer, dev), {k: v.to(dev) for k, v in stats.items()}
         for step in rec.steps:
             layer, _ = run_step(step, layer, step_stats(step, i, stats))
         return layer

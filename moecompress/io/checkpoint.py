@@ -24,6 +24,7 @@ from moecompress.adapters import Adapter, adapter_class
 from moecompress.errors import CheckpointError
 from moecompress.io.format import compressed_keys, stock_keys
 from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
+from moecompress.io.quantized import QuantizedReader, logical_dtype, quant_format
 from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
 from moecompress.io.routing import check_routing, policy_dict, read_routing, routing_tensors, without_routing
 from moecompress.io.verify import layer_problem, read_block
@@ -60,8 +61,26 @@ class Checkpoint:
     raw_config: dict
     config: object
     adapter: Adapter
-    reader: ShardReader
+    reader: ShardReader | QuantizedReader
+    """the logical view: a quantised input's tensors under their unquantised names, dequantised on
+    access (:mod:`moecompress.io.quantized`); for any other input the shard reader itself."""
     _moe_keys: dict[int, list[str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def raw(self) -> ShardReader:
+        """The byte-level reader of the shards (the on-disk names and encodings)."""
+        return getattr(self.reader, "raw", self.reader)
+
+    @property
+    def quantization(self) -> str | None:
+        """The quant_method the input is read through (``fp8``, ``compressed-tensors``, ``mxfp4``), or ``None``."""
+        fmt = getattr(self.reader, "fmt", None)
+        return None if fmt is None else fmt.method
+
+    def raw_moe_keys(self, i: int) -> list[str]:
+        """On-disk tensor names behind :meth:`moe_keys` (scales, packed codes, ... of a quantised input)."""
+        keys = self.moe_keys(i)
+        return self.reader.raw_names(keys) if self.quantization else keys
 
     @property
     def model_type(self) -> str:
@@ -118,11 +137,12 @@ class Checkpoint:
         """On-disk tensor names owned by the MoE block of layer ``i``."""
         return list(self._moe_keys.get(i, []))
 
-    def key_groups(self) -> list[tuple[int | None, list[str]]]:
-        """Tensor names grouped by decoder layer (``None``: outside the decoder layers), in layer order."""
+    def key_groups(self, *, raw: bool = False) -> list[tuple[int | None, list[str]]]:
+        """Tensor names grouped by decoder layer (``None``: outside the decoder layers), in layer order;
+        logical names, or the on-disk ones when ``raw``."""
         pat = re.compile(rf"^{re.escape(self.adapter.layers_prefix)}\.(\d+)\.")
         groups: dict[int | None, list[str]] = {None: []}
-        for key in self.reader.keys:
+        for key in (self.raw if raw else self.reader).keys:
             m = pat.match(key)
             groups.setdefault(int(m.group(1)) if m else None, []).append(key)
         order = [None, *sorted(k for k in groups if k is not None)]
@@ -210,8 +230,11 @@ def open_checkpoint(
     layouts, problems = read_block(raw.get("moecompress"), quant_method=qc.get("quant_method") if isinstance(qc, dict) else None)
     if layouts is None:  # unreadable; other problems (loading through transformers) are the loaders'
         raise problems[0].error(cfg_path)
+    fmt = quant_format(raw, str(cfg_path))  # an unread quant_method is refused before any shard is opened
     config = _load_config(path)
-    reader = ShardReader(path)
+    reader: ShardReader | QuantizedReader = ShardReader(path)
+    if fmt is not None:
+        reader = QuantizedReader(reader, fmt, logical_dtype(raw))
     adapter = cls(config)
     try:
         routing = read_routing(raw.get("moecompress"))

@@ -44,7 +44,7 @@ def is_stock(layer: MoELayer, adapter=None) -> bool:
     if adapter is not None and not adapter.stock_width_change and bank.width != adapter.expert_width:
         return False
     dense = all(isinstance(lay, Dense) for lay in (bank.gate, bank.up, bank.down))
-    full = bank.widths is None or bool((bank.widths == bank.width).all())
+    full = bank.widths is None or (not bank.widths.is_meta and bool((bank.widths == bank.width).all()))
     shared_dense = _dense_bank(layer.shared)
     plain = bank.rotation is None and bank.act_bits is None
     return dense and full and shared_dense and plain and layer.expert_map is None

@@ -33,7 +33,8 @@ SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }  # fmt: skip
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
@@ -119,7 +120,7 @@ class ShardReader:
                     sl = f.get_slice(name)
                     self._shape[name] = tuple(int(d) for d in sl.get_shape())
                     self._dtype[name] = sl.get_dtype()
-        except (SafetensorError, OSError) as err:
+        except (SafetensorError, OSError, RuntimeError) as err:  # RuntimeError: safetensors cannot map it
             raise CheckpointError(
                 f"corrupt or truncated shard {path}: {err}; re-download or re-save this file"
             ) from None
@@ -193,9 +194,19 @@ class ShardReader:
                         # the whole map and every page read through it. An owned copy lets the map go
                         # when the shard is closed, so a layer costs its own bytes only.
                         out[name] = f.get_tensor(name).clone()
-            except (SafetensorError, OSError) as err:
+            except (SafetensorError, OSError, RuntimeError) as err:  # RuntimeError: safetensors cannot map it
                 raise CheckpointError(f"cannot read from shard {path}: {err}") from None
         return out
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the first dimension of ``name`` (an owned copy); only those bytes are
+        read (one expert of a fused ``[E, ...]`` tensor)."""
+        path = self.directory / self._shard_of[self._require(name)]
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                return f.get_slice(name)[start:stop].clone()
+        except (SafetensorError, OSError, RuntimeError) as err:  # RuntimeError: safetensors cannot map it
+            raise CheckpointError(f"cannot read from shard {path}: {err}") from None
 
 
 def _parse_index(index: Path) -> dict[str, set[str]]:

@@ -1,4 +1,4 @@
-"""Atomic, sharding safetensors writer.
+"""Atomic, sharding safetensors writer that streams tensor bytes to disk as they are added.
 
 Everything is written into a temporary sibling directory (``.<name>.tmp-XXXX``) that is renamed onto
 the output path only by :meth:`ShardWriter.commit`; an exception (or a crash) leaves the output path
@@ -7,22 +7,32 @@ replaced once the new one is complete.
 
 Shards follow transformers' conventions: ``model.safetensors`` when everything fits in one shard,
 otherwise ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``; every shard
-carries the metadata ``{"format": "pt"}``. Tensors are buffered up to ``max_shard_size`` bytes, so
-peak memory is one shard's buffer plus what the caller holds.
+carries the metadata ``{"format": "pt"}``. A shard is never held in memory: each tensor's bytes are
+appended to the shard's data file (``part-NNNNN.data``) when it is added, and :meth:`ShardWriter.flush`
+writes the header (known only then) into the shard file and copies the data after it in the kernel
+(``os.copy_file_range``). So ``max_shard_size`` costs disk (a shard exists twice while it is
+finished), not memory. The file is byte-identical to ``safetensors.torch.save_file`` on the same
+tensors: same header, padding and tensor order (by dtype, then name; see ``_DTYPE_ORDER``).
+safetensors (0.8) has no incremental writer, hence the format is written here (docs/format.md).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import TensorSpec
 
 from moecompress.errors import CheckpointError, OutputExistsError
 from moecompress.io.reader import INDEX_NAME, SINGLE_NAME
@@ -69,11 +79,83 @@ def move_into_place(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _standalone(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor owning exactly its storage (safetensors refuses views and shared memory)."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+# safetensors' ``Dtype`` enum in declaration order; a shard's tensors are laid out by descending dtype,
+# then by name (its ``prepare``), which keeps every tensor aligned to its element size.
+_DTYPE_ORDER = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+_RANK = {code: i for i, code in enumerate(_DTYPE_ORDER)}
+_COPY_CHUNK = 64 << 20
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: str  # safetensors' code, e.g. "BF16"
+    shape: list[int]  # the header's (logical) shape
+    start: int  # byte range in the data file
+    end: int
+
+
+@dataclass
+class _Part:
+    """The unfinished shard: its data file (open for appending) and what it holds."""
+
+    data: Path
+    fd: int
+    entries: list[_Entry] = field(default_factory=list)
+    size: int = 0
+
+
+def _header_entry(name: str, dtype: torch.dtype, shape: Iterable[int], nbytes: int) -> tuple[str, list[int]]:
+    """safetensors' dtype code and logical shape (the library's own mapping, via ``TensorSpec``)."""
+    try:
+        spec = TensorSpec(dtype=str(dtype).split(".")[-1], shape=list(shape), data_ptr=0, data_len=nbytes)
+    except Exception as err:
+        raise CheckpointError(f"tensor {name!r}: safetensors cannot store dtype {dtype} ({err})") from None
+    if spec.dtype not in _RANK:
+        raise CheckpointError(f"tensor {name!r}: dtype {spec.dtype} is not in the writer's dtype table")
+    return spec.dtype, list(spec.shape)
+
+
+def _pwrite(fd: int, t: torch.Tensor, offset: int) -> int:
+    """Write the tensor's bytes (copied only when it is not contiguous) at ``offset``; their count."""
+    view = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):  # a write may be short (size caps, a filling disk): write the rest
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
+    """The header block (length prefix, JSON, space padding to 8 bytes) of a safetensors file whose
+    tensors ``(name, dtype code, shape, nbytes)`` are laid out in the given order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _copy_range(src: int, dst: int, start: int, count: int, dst_off: int) -> None:
+    """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``dst_off`` (in the kernel if it can)."""
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, min(count, _COPY_CHUNK), start, dst_off)
+        except OSError as err:  # no copy_file_range across these files: plain reads and writes
+            if err.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            n = 0
+        if n == 0:
+            block = os.pread(src, min(count, _COPY_CHUNK), start)
+            if not block:
+                raise CheckpointError("a shard's data file is shorter than its tensors")
+            n = os.pwrite(dst, block, dst_off)
+        start, dst_off, count = start + n, dst_off + n, count - n
 
 
 class ShardWriter:
@@ -101,8 +183,7 @@ class ShardWriter:
             self.tmp_dir = Path(
                 tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent)
             )
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
+        self._part: _Part | None = None
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
         self._total_size = 0
@@ -110,23 +191,64 @@ class ShardWriter:
 
     # -- tensors ---------------------------------------------------------------------------------
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._names:
-            raise CheckpointError(f"tensor {name!r} written twice")
+        """Append ``tensor``'s bytes to the current shard (finishing it first when it would overflow)."""
         if tensor.device.type == "meta":
             raise CheckpointError(f"tensor {name!r} is on the meta device; nothing to write")
-        tensor = _standalone(tensor.detach().cpu())
-        size = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + size > self.max_shard_size:
-            self.flush()
-        self._names.add(name)
-        self._buffer[name] = tensor
-        self._buffer_bytes += size
-        self._total_size += size
+        self.add_pieces(name, tensor.dtype, tensor.shape, [tensor])
+
+    def add_pieces(
+        self, name: str, dtype: torch.dtype, shape: Iterable[int], pieces: Iterable[torch.Tensor]
+    ) -> None:
+        """Write one tensor of ``dtype`` and ``shape`` from ``pieces`` whose bytes, in row-major order,
+        make up the tensor (e.g. chunks of experts of a stacked bank), each written as it comes; the
+        pieces must be of ``dtype`` and total exactly the tensor's size, else nothing is written."""
+        self._check_name(name)
+        shape = [int(d) for d in shape]
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        code, header_shape = _header_entry(name, dtype, shape, size)
+        part = self._part_for(size)
+        start = written = part.size
+        try:
+            for piece in pieces:
+                if piece.device.type == "meta" or piece.dtype != dtype:
+                    what = "on the meta device" if piece.device.type == "meta" else f"of dtype {piece.dtype}"
+                    raise CheckpointError(f"tensor {name!r}: a piece is {what}, expected {dtype} data")
+                n = piece.numel() * piece.element_size()
+                if written + n - start > size:
+                    raise CheckpointError(f"tensor {name!r}: its pieces hold more than {shape} {dtype}")
+                written += _pwrite(part.fd, piece, written)
+            if written - start != size:
+                raise CheckpointError(
+                    f"tensor {name!r}: its pieces hold {written - start} bytes, {shape} {dtype} needs {size}"
+                )
+        except BaseException:
+            os.ftruncate(part.fd, start)  # drop what this tensor wrote; the shard stays as it was
+            raise
+        self._record(part, _Entry(name, code, header_shape, start, start + size))
+
+    def _check_name(self, name: str) -> None:
+        if name in self._names:
+            raise CheckpointError(f"tensor {name!r} written twice")
+        if name == "__metadata__":
+            raise CheckpointError("a tensor cannot be named '__metadata__' (the safetensors header key)")
+
+    def _part_for(self, size: int) -> _Part:
+        """The shard the next ``size`` bytes go to: the current one, or a new one if they would overflow it."""
+        self.make_room(size)
+        if self._part is None:
+            data = self.tmp_dir / f"part-{len(self._shards):05d}.data"
+            self._part = _Part(data, os.open(data, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+        return self._part
+
+    def _record(self, part: _Part, entry: _Entry) -> None:
+        part.entries.append(entry)
+        part.size = entry.end
+        self._names.add(entry.name)
+        self._total_size += entry.end - entry.start
 
     def make_room(self, nbytes: int) -> None:
-        """Flush now if ``nbytes`` more would not fit in the current shard. Call it *before* reading the
-        next group of tensors, so the full buffer is written out before that group is in memory too."""
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_size:
+        """Finish the current shard now if ``nbytes`` more would not fit in it."""
+        if self._part is not None and self._part.entries and self._part.size + nbytes > self.max_shard_size:
             self.flush()
 
     def add_many(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -134,38 +256,66 @@ class ShardWriter:
             self.add(name, t)
 
     def flush(self) -> None:
-        """Write the buffered tensors as the next shard."""
-        if not self._buffer:
+        """Finish the current shard: its header, then its tensors' bytes in safetensors' order."""
+        part = self._part
+        if part is None:
             return
+        if not part.entries:
+            self._drop_part()
+            return
+        order = sorted(part.entries, key=lambda e: (-_RANK[e.dtype], e.name))
+        header = safetensors_header(
+            [(e.name, e.dtype, e.shape, e.end - e.start) for e in order], {"format": "pt"}
+        )
         path = self.tmp_dir / f"part-{len(self._shards):05d}.safetensors"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
-        os.chmod(path, 0o644)  # safetensors creates files private to the user; checkpoints are shared
-        self._shards.append(list(self._buffer))
-        self._buffer = {}
-        self._buffer_bytes = 0
+        dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            offset = os.write(dst, header)
+            if offset != len(header):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            for e in order:
+                _copy_range(part.fd, dst, e.start, e.end - e.start, offset)
+                offset += e.end - e.start
+        finally:
+            os.close(dst)
+        os.close(part.fd)
+        os.chmod(path, 0o644)  # whatever the umask: checkpoints are shared
+        self._shards.append([e.name for e in part.entries])
+        self._part = None
+        part.data.unlink()
+
+    def _drop_part(self) -> None:
+        part, self._part = self._part, None
+        if part is not None:
+            os.close(part.fd)
+            part.data.unlink(missing_ok=True)
 
     @property
     def buffered_bytes(self) -> int:
-        return self._buffer_bytes
+        """Bytes in the current, unfinished shard (on disk, not in memory)."""
+        return self._part.size if self._part is not None else 0
 
     def state(self) -> dict:
-        """What is durably on disk (flushed shards), for a journal."""
+        """What is durably on disk (finished shards), for a journal."""
         return {
             "shards": [list(names) for names in self._shards],
-            "total_size": self._total_size - self._buffer_bytes,
+            "total_size": self._total_size - self.buffered_bytes,
         }
 
     def restore(self, state: dict) -> None:
-        """Continue after a crash from a :meth:`state` (staged writers only): later part files go."""
+        """Continue after a crash from a :meth:`state` (staged writers only): later part files and the
+        unfinished shard's data file go."""
         if not self.staged:
             raise CheckpointError("only a staged writer can be restored")
+        self._drop_part()
         self._shards = [list(n) for n in state["shards"]]
         self._names = {n for names in self._shards for n in names}
         self._total_size = int(state["total_size"])
-        self._buffer, self._buffer_bytes = {}, 0
         for part in self.tmp_dir.glob("part-*.safetensors"):
             if int(part.stem.split("-")[1]) >= len(self._shards):
                 part.unlink()
+        for data in self.tmp_dir.glob("part-*.data"):
+            data.unlink()
 
     # -- other files -----------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
@@ -209,8 +359,8 @@ class ShardWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        """Discard everything written so far."""
-        self._buffer = {}
+        """Discard everything written so far (staged: only the unfinished shard)."""
+        self._drop_part()
         if not self._done and not self.staged:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._done = True

@@ -118,6 +118,14 @@ class Layout(ABC):
         evaluation); layouts whose storage is not a plain float tensor return themselves."""
         return self
 
+    def to(self, device: torch.device | str) -> Layout:
+        """This layout with every stored tensor on ``device`` (itself when they already are there)."""
+        device = torch.device(device)
+        stored = self.tensors()
+        if all(t.device == device for t in stored.values()):
+            return self
+        return type(self).from_tensors({k: t.to(device) for k, t in stored.items()}, self.meta())
+
     def dense(self) -> torch.Tensor:
         """All experts as one dense ``[E, out, in]`` tensor."""
         return torch.stack([self.expert(e) for e in range(self.num_experts)])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
-from moecompress.methods.kmeans import kmeans_1d, nearest
+from moecompress.methods.kmeans import SortedRows, kmeans_1d, nearest
 from moecompress.methods.rotation import fake_quant_tokens
 from moecompress.reference import bank_input, moe_forward, route, router_logits
 
@@ -48,26 +48,33 @@ def cluster(
     w: torch.Tensor, bits: int, gs: int, *, iters: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group k-means (k-means++ seeded) of ``w`` ``[M, out, in]``: ``(cents [M, out, G, K], codes)``.
-    One expert at a time (bounded memory)."""
+    Every group of every expert at once (:func:`kmeans_1d` chunks the rows to bound memory)."""
     m, out, inn = w.shape
     g, k = inn // gs, 1 << bits
-    cents, codes = [], []
-    for e in range(m):
-        c, a = kmeans_1d(w[e].reshape(out * g, gs), k, iters=iters, seed=seed + e)
-        cents.append(c.view(out, g, k))
-        codes.append(a.view(out, inn))
-    if not cents:
-        return w.new_zeros(0, out, g, k), torch.zeros(0, out, inn, dtype=torch.long)
-    return torch.stack(cents), torch.stack(codes)
+    c, a = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed)
+    return c.view(m, out, g, k), a.view(m, out, inn)
 
 
-def reassign(w: torch.Tensor, cents: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def reassign(
+    w: torch.Tensor, cents: torch.Tensor, scale: torch.Tensor | None, rows: SortedRows | None = None
+) -> torch.Tensor:
     """Output-aware reassignment ``k*(i, j) = argmin_k (B_j W_ij − A_j C_ik)²``, i.e. the centroid
-    nearest to ``W_ij · B_j / A_j`` (``scale = B / A`` ``[M, in]``; ``None`` = 1: nearest centroid)."""
+    nearest to ``W_ij · B_j / A_j`` (``scale = B / A`` ``[M, in]``; ``None`` = 1: nearest centroid).
+    ``rows``: :func:`reassign_rows` of the same ``w`` and ``scale``, sorted once for repeated calls."""
     m, out, g, k = cents.shape
     inn = w.shape[-1]
+    flat = cents.reshape(m * out * g, k)
+    if rows is not None:
+        return rows.assign(flat).view(m, out, inn)
     t = w if scale is None else w * scale[:, None, :]
-    return nearest(t.reshape(m * out * g, inn // g), cents.reshape(m * out * g, k)).view(m, out, inn)
+    return nearest(t.reshape(m * out * g, inn // g), flat).view(m, out, inn)
+
+
+def reassign_rows(w: torch.Tensor, groups: int, scale: torch.Tensor | None) -> SortedRows:
+    """The values :func:`reassign` assigns (``W_ij · B_j / A_j`` per group of ``w`` ``[M, out, in]``), sorted."""
+    m, out, inn = w.shape
+    t = w if scale is None else w * scale[:, None, :]
+    return SortedRows(t.reshape(m * out * groups, inn // groups))
 
 
 def channel_scale(x: torch.Tensor, act_bits: int | None) -> torch.Tensor | None:
@@ -151,13 +158,21 @@ def finetune(
     and returns the fit/validation errors."""
     with torch.no_grad():
         y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
-    full = {key: getattr(getattr(rotated, key[0]), key[1]).dense().float() for key in parts}
+    full = {}  # the dense projections a part covers only partly (protected experts, pruned neurons)
+    for key, p in parts.items():
+        lay = getattr(getattr(rotated, key[0]), key[1])
+        if list(p["ids"]) != list(range(lay.shape[0])) or tuple(p["w"].shape) != tuple(lay.shape):
+            full[key] = lay.dense().float()
 
     def weights(cents: dict, codes: dict) -> dict[tuple[str, str], torch.Tensor]:
         out = {}
-        for key, w in full.items():
-            w = w.clone()
-            w[part_slice(parts[key])] = decode(cents[key], codes[key])
+        for key in parts:
+            dec = decode(cents[key], codes[key])
+            if key not in full:  # every expert, full width: nothing of the dense weights survives
+                out[key] = dec
+                continue
+            w = full[key].clone()
+            w[part_slice(parts[key])] = dec
             out[key] = w
         return out
 
@@ -167,6 +182,7 @@ def finetune(
             return rel_error(moe_forward(with_weights(rotated, weights(rounded, codes)), x_val), y_val)
 
     codes = {k: p["codes"] for k, p in parts.items()}
+    rows = {k: reassign_rows(p["w"], p["cents"].shape[2], p["scale"]) for k, p in parts.items()} if steps else {}
     params = {k: p["cents"].float().clone().requires_grad_(True) for k, p in parts.items()}
     opt = torch.optim.Adam(
         [{"params": [params[k]], "lr": lr * float(parts[k]["w"].abs().mean())} for k in params]
@@ -187,7 +203,7 @@ def finetune(
         opt.step()
         fit_last = float(loss.detach())
         with torch.no_grad():
-            codes = {k: reassign(parts[k]["w"], params[k], parts[k]["scale"]) for k in params}
+            codes = {k: reassign(parts[k]["w"], params[k], parts[k]["scale"], rows[k]) for k in params}
         err = val_error(params, codes)
         if err < best[0]:
             best = (err, {k: v.detach().clone() for k, v in params.items()}, dict(codes), step)

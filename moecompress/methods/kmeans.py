@@ -1,51 +1,155 @@
-"""Scalar (1-D) k-means of many rows at once: k-means++ seeding, Lloyd iterations, exact 1-D assignment
-by binary search between sorted centroids. What every codebook row of ``codequant`` goes through."""
+"""Scalar (1-D) k-means of many rows at once: k-means++ seeding, Lloyd iterations, exact 1-D assignment.
+What every codebook row of ``codequant`` goes through.
+
+Every row is its own k-means problem, solved for all rows of a chunk at once on the device of the
+input (no Python loop over rows). In one dimension a cluster of the nearest-centroid assignment is a
+contiguous run of the row's *sorted* values, cut at the midpoints between sorted centroids, so each row
+is sorted once and every Lloyd step only searches the ``k − 1`` midpoints in it (``O(k log n)`` per row)
+and reads the cluster sums off the row's prefix sums, instead of assigning all ``n`` values
+(``O(n log k)``). The last step recomputes the centroids as exact means of their values (a plain
+scatter-add), so a row with at most ``k`` distinct values is reproduced exactly.
+"""
 
 from __future__ import annotations
 
 import torch
 
+CHUNK_VALUES = 1 << 22
+"""Values clustered at once (about 10 float64 copies of a chunk are alive: ~340 MB)."""
+
 
 def nearest(values: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Index of the nearest centroid for each value: ``values`` ``[N, n]``, ``centroids`` ``[N, K]``
-    (any order) -> int64 ``[N, n]``. Exact (binary search between sorted centroids' midpoints)."""
+    (any order) -> int64 ``[N, n]``. Exact (binary search between sorted centroids' midpoints; a value
+    on a midpoint goes to the lower centroid)."""
     c, order = centroids.sort(dim=-1)
     mids = (c[:, 1:] + c[:, :-1]) / 2
     pos = torch.searchsorted(mids.contiguous(), values.contiguous())
     return order.gather(1, pos)
 
 
-def kmeans_1d(
-    values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
-    (D² sampling from a generator seeded with ``seed``), then Lloyd iterations until no centroid moves
-    by more than ``tol`` times the row's range. Returns ``(centroids [N, k], assignment [N, n] int64)``.
-    A row with at most ``k`` distinct values is reproduced exactly."""
-    v = values.double()
-    n_rows, n = v.shape
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.arange(n_rows)
-    first = torch.randint(0, n, (n_rows,), generator=g)
-    cents = [v[rows, first]]
-    d2 = (v - cents[0][:, None]) ** 2
-    for _ in range(1, k):
-        w = d2.clone()
-        done = w.sum(1) <= 0  # every value already a centroid: any pick is a duplicate
-        w[done] = 1.0
-        pick = torch.multinomial(w.float(), 1, generator=g)[:, 0]
-        c = v[rows, pick]
+def sorted_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``values`` ``[N, n]`` sorted ascending, and the permutation that sorts it."""
+    return values.sort(dim=1)
+
+
+def assign_sorted(sv: torch.Tensor, perm: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """:func:`nearest` of the values ``sv`` (rows sorted ascending; ``perm`` their original positions,
+    as :func:`sorted_rows` gives) -> int64 ``[N, n]`` in the original order; identical to
+    ``nearest(values, centroids)``, in ``O(n + k log n)`` per row instead of a search per value."""
+    c, order = centroids.sort(dim=-1)
+    n = sv.shape[1]
+    bounds = torch.searchsorted(sv, ((c[:, 1:] + c[:, :-1]) / 2).to(sv.dtype).contiguous(), right=True)
+    steps = torch.zeros(sv.shape[0], n + 1, dtype=torch.int64, device=sv.device)
+    steps.scatter_add_(1, bounds, torch.ones_like(bounds))
+    rank = steps[:, :n].cumsum(1)  # sorted centroids below each sorted value's cut
+    return torch.empty_like(rank).scatter_(1, perm, order.gather(1, rank))
+
+
+class SortedRows:
+    """Rows ``[N, n]`` sorted once, for many :func:`nearest` calls against changing centroids (CodeQuant's
+    reassignment after every fine-tuning step): the sorted values in their dtype and the sorting
+    permutation in the narrowest integer type that holds ``n``; :meth:`assign` works ``chunk_values``
+    values at a time."""
+
+    def __init__(self, values: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> None:
+        n_rows, n = values.shape
+        idx = torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
+        self.step = max(1, chunk_values // max(n, 1))
+        self.sv = torch.empty_like(values)
+        self.perm = torch.empty(n_rows, n, dtype=idx, device=values.device)
+        for a in range(0, n_rows, self.step):
+            sv, perm = sorted_rows(values[a : a + self.step])
+            self.sv[a : a + self.step], self.perm[a : a + self.step] = sv, perm.to(idx)
+
+    def assign(self, centroids: torch.Tensor) -> torch.Tensor:
+        """``nearest(values, centroids)`` (bit-identical), int64 ``[N, n]``."""
+        out = torch.empty(self.sv.shape, dtype=torch.int64, device=self.sv.device)
+        for a in range(0, self.sv.shape[0], self.step):
+            b = a + self.step
+            out[a:b] = assign_sorted(self.sv[a:b], self.perm[a:b].long(), centroids[a:b])
+        return out
+
+
+def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
+    """k-means++ (D² sampling) of each row of ``v`` ``[N, n]`` by inverse CDF of the uniforms ``u``
+    ``[k, N]``: ``[N, k]`` centroids. A pick always has positive D² unless every value is already a
+    centroid (then any pick is a duplicate). D² is kept in float32 (it only draws the seeds)."""
+    n = v.shape[1]
+    pick = (u[0] * n).long().clamp_max(n - 1)
+    c = v.gather(1, pick[:, None])
+    cents = [c]
+    vf = v.float()
+    d2 = (vf - c.float()).square_()
+    for j in range(1, k):
+        cs = d2.cumsum(1)
+        t = (u[j].float() * cs[:, -1])[:, None]
+        pick = torch.searchsorted(cs, t, right=True).clamp_max_(n - 1)
+        bad = d2.gather(1, pick) <= 0  # rounding at the top end of the CDF
+        pick = torch.where(bad, d2.argmax(1, keepdim=True), pick)
+        c = v.gather(1, pick)
         cents.append(c)
-        d2 = torch.minimum(d2, (v - c[:, None]) ** 2)
-    c = torch.stack(cents, 1)
-    scale = (v.amax(1) - v.amin(1)).clamp_min(1e-30)
+        torch.minimum(d2, (vf - c.float()).square_(), out=d2)
+    return torch.cat(cents, 1)
+
+
+def _lloyd(v: torch.Tensor, c: torch.Tensor, iters: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd iterations of the rows of ``v`` from centroids ``c``, each row until none of its centroids
+    moves by more than ``tol`` times its range; then exact means. ``(centroids, assignment)``. Rows
+    that converged leave the working set (compacted whenever it halves)."""
+    sv, perm = sorted_rows(v)
+    n_rows, n = sv.shape
+    cs = torch.cat([sv.new_zeros(n_rows, 1), sv.cumsum(1)], 1)
+    scale = (sv[:, -1] - sv[:, 0]).clamp_min(1e-30)
+    c = c.sort(dim=1).values
+    rows = torch.arange(n_rows, device=v.device)  # working set: rows of sv/cs/c still iterating
+    w_sv, w_cs, w_c, w_scale = sv, cs, c.clone(), scale
+    active = torch.ones(n_rows, dtype=torch.bool, device=v.device)
     for _ in range(iters):
-        a = nearest(v, c)
-        sums = torch.zeros_like(c).scatter_add_(1, a, v)
-        counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
-        new = torch.where(counts > 0, sums / counts.clamp_min(1), c)
-        moved = float(((new - c).abs().amax(1) / scale).max()) if n_rows else 0.0
-        c = new
-        if moved <= tol:
+        m = len(rows)
+        bounds = torch.searchsorted(w_sv, ((w_c[:, 1:] + w_c[:, :-1]) / 2).contiguous(), right=True)
+        lo = torch.cat([bounds.new_zeros(m, 1), bounds], 1)
+        hi = torch.cat([bounds, bounds.new_full((m, 1), n)], 1)
+        counts = hi - lo
+        new = torch.where(counts > 0, (w_cs.gather(1, hi) - w_cs.gather(1, lo)) / counts.clamp_min(1), w_c)
+        moved = (new - w_c).abs().amax(1) / w_scale > tol
+        w_c = torch.where(active[:, None], new, w_c).sort(dim=1).values
+        active &= moved
+        left = int(active.sum())
+        if left == 0:
             break
-    return c.to(values.dtype), nearest(v, c)
+        if 2 * left <= m:
+            c[rows] = w_c
+            keep = active.nonzero()[:, 0]
+            rows, w_sv, w_cs, w_c, w_scale = rows[keep], w_sv[keep], w_cs[keep], w_c[keep], w_scale[keep]
+            active = torch.ones(left, dtype=torch.bool, device=v.device)
+    c[rows] = w_c
+    a = assign_sorted(sv, perm, c)  # exact means of the final clusters (no prefix-sum rounding)
+    sums = torch.zeros_like(c).scatter_add_(1, a, v)
+    counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
+    c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+    return c, assign_sorted(sv, perm, c)
+
+
+def kmeans_1d(
+    values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42,
+    chunk_values: int = CHUNK_VALUES,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
+    (D² sampling driven by uniforms from a CPU generator seeded with ``seed``, one set per row, so the
+    result does not depend on the chunking or the device), then Lloyd iterations, each row until none
+    of its centroids moves by more than ``tol`` times the row's range, and a last exact-mean update.
+    Rows are processed ``chunk_values // n`` at a time (bounded memory), in float64, on ``values``'
+    device. Returns ``(centroids [N, k] ascending, assignment [N, n] int64)``. A row with at most ``k``
+    distinct values is reproduced exactly."""
+    n_rows, n = values.shape
+    dev = values.device
+    u = torch.rand(k, n_rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
+    cents = torch.empty(n_rows, k, dtype=values.dtype, device=dev)
+    codes = torch.empty(n_rows, n, dtype=torch.int64, device=dev)
+    step = max(1, chunk_values // max(n, 1))
+    for a in range(0, n_rows, step):
+        v = values[a : a + step].double()
+        c, codes[a : a + step] = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol)
+        cents[a : a + step] = c.to(values.dtype)
+    return cents, codes

@@ -193,20 +193,23 @@ def ward_linkage(
     w = weights.detach().double().flatten()[free] if free else torch.zeros(0, dtype=torch.float64)
     w = w.clamp_min(1e-6 * max(float(w.mean()) if len(w) else 1.0, 1e-300))
     clusters = [[e] for e in free]
-    mu, wt = [f[i] for i in range(len(free))], [float(w[i]) for i in range(len(free))]
+    mu, wt = f.clone(), w.clone()  # one row per live cluster
+    sq = (mu[:, None, :] - mu[None, :, :]).pow(2).sum(-1)  # ‖μ_a − μ_b‖², all pairs; updated per merge
     while len(clusters) > want:
-        best = None
-        for i in range(len(clusters)):
-            for j in range(i + 1, len(clusters)):
-                d = wt[i] * wt[j] / (wt[i] + wt[j]) * float((mu[i] - mu[j]).pow(2).sum())
-                key = (d, min(clusters[i]), min(clusters[j]))
-                if best is None or key < best[0]:
-                    best = (key, i, j)
-        _, i, j = best  # type: ignore[misc]
+        m = len(clusters)
+        d = wt[:, None] * wt[None, :] / (wt[:, None] + wt[None, :]) * sq
+        d = d.masked_fill(~torch.ones(m, m, dtype=torch.bool).triu(1), float("inf"))
+        lowest = d.min()
+        pairs = (d == lowest).nonzero().tolist()  # ties: the pair with the lowest ids
+        i, j = min(pairs, key=lambda ij: (min(clusters[ij[0]]), min(clusters[ij[1]])))
         mu[i] = (wt[i] * mu[i] + wt[j] * mu[j]) / (wt[i] + wt[j])
         wt[i] += wt[j]
         clusters[i] = sorted(clusters[i] + clusters[j])
-        del clusters[j], mu[j], wt[j]
+        del clusters[j]
+        keep = torch.arange(m) != j
+        mu, wt, sq = mu[keep], wt[keep], sq[keep][:, keep]
+        i -= i > j
+        sq[i] = sq[:, i] = (mu - mu[i]).pow(2).sum(-1)
     groups = clusters + [[e] for e in fixed]
     return sorted(groups, key=lambda g: g[0])
 

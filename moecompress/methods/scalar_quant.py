@@ -31,7 +31,7 @@ def quantize(
         raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
     *lead, out, inn = w.shape
     gs = group_width(inn, group_size)
-    g = w.float().reshape(*lead, out, inn // gs, gs)
+    g = w.to(torch.float32, copy=True).reshape(*lead, out, inn // gs, gs)
     qmax = (1 << bits) - 1
     if symmetric:
         raw = g.abs().amax(-1) / ((1 << (bits - 1)) - 1)
@@ -49,7 +49,7 @@ def quantize(
         z = torch.full_like(s, float(1 << (bits - 1)))
     else:
         z = torch.clamp(torch.round(-lo / safe), 0, qmax)
-    q = torch.clamp(torch.round(g / safe[..., None]) + z[..., None], 0, qmax)
+    q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)  # in place: g is a copy
     codes = q.to(torch.uint8).reshape(*lead, out, inn)
     return codes, scales, None if symmetric else z.to(torch.uint8)
 

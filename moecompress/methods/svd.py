@@ -33,11 +33,11 @@ def factorize(
         vs.append(wh.unwhiten_in(vh[:, :keep].transpose(1, 2)).transpose(1, 2).to(w.dtype))  # [m, keep, in]
         ss.append(s)
     s = torch.cat(ss)
-    ranks = torch.full((w.shape[0],), min(base, keep), dtype=torch.int64)
+    ranks = torch.full((w.shape[0],), min(base, keep), dtype=torch.int64, device=s.device)
     if keep > base:  # the extra ranks go where the next singular value is largest
         ranks[s[:, base].sort(descending=True, stable=True).indices[:extra]] += 1
     energy = s.pow(2)
-    kept = torch.arange(s.shape[1])[None, :] < ranks[:, None]
+    kept = torch.arange(s.shape[1], device=s.device)[None, :] < ranks[:, None]
     err = (energy.masked_fill(kept, 0).sum(1) / energy.sum(1).clamp_min(1e-300)).sqrt()
     u, v = torch.cat(us), torch.cat(vs)
     pairs = [(u[m, :, :r].contiguous(), v[m, :r].contiguous()) for m, r in enumerate(ranks.tolist())]

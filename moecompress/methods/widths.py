@@ -128,5 +128,9 @@ def _allowed(width: int, cfg: WidthRule) -> list[int]:
 
 def neuron_norms(bank: ExpertBank) -> torch.Tensor:
     """``[E, I]``: L2 norm of each neuron's 3·H weights (gate row, up row, down column)."""
-    g, u, d = (lay.dense().float() for lay in (bank.gate, bank.up, bank.down))
-    return (g.pow(2).sum(-1) + u.pow(2).sum(-1) + d.pow(2).sum(1)).sqrt()
+    def sq(lay, e: int, dim: int) -> torch.Tensor:
+        return lay.expert(e).float().pow(2).sum(dim)
+
+    return torch.stack([
+        (sq(bank.gate, e, -1) + sq(bank.up, e, -1) + sq(bank.down, e, 0)).sqrt() for e in range(bank.num_experts)
+    ])  # one expert's float32 copy at a time

@@ -4,6 +4,7 @@ A pass module defines its configuration, its pure function ``(layer, stats, cfg)
 one :class:`~moecompress.engine.spec.PassSpec` named ``SPEC``. To add a built-in pass, write the module
 and add its ``SPEC`` below; a plugin passes its spec to ``moecompress.apply(..., passes=[SPEC])``.
 ``neuron_pruning`` and ``expert_merging`` hold what two passes each share (options, checks, reports).
+Whole-model stages (``distill``: a spec with a ``stage``) are listed in :data:`BUILTIN_STAGES`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from moecompress.passes import (
     choose_groups,
     codequant,
     decompose,
+    distill,
     expert_prune,
     expert_structure,
     gptq,
     heapr,
     identity,
+    lora_heal,
     merge_experts,
     namex,
     neuron_prune,
@@ -63,4 +66,7 @@ BUILTIN_PASSES: dict[str, PassSpec] = {
 }
 """Every built-in recipe step, by name."""
 
-__all__ = ["BUILTIN_PASSES"]
+BUILTIN_STAGES: dict[str, PassSpec] = {spec.name: spec for spec in (distill.SPEC, lora_heal.SPEC)}
+"""Every built-in whole-model stage (a step that trains the whole model; see docs/training.md), by name."""
+
+__all__ = ["BUILTIN_PASSES", "BUILTIN_STAGES"]

@@ -52,6 +52,10 @@ class NeuronPruneConfig(NeuronPruneOptions):
     scope: Literal["layer"] = Field("layer", description="ranking scope (per layer only; see the docstring)")
 
 
+CHUNK = 8
+"""Experts whose weights are scored at once (their float64 copies are the pass's only workspace)."""
+
+
 def wanda_scores(layer: MoELayer, stats: LayerStats) -> torch.Tensor:
     """``[E, I]`` Wanda score per neuron (float64)."""
     bank = layer.experts
@@ -65,8 +69,12 @@ def wanda_scores(layer: MoELayer, stats: LayerStats) -> torch.Tensor:
             f"statistics shapes {tuple(x.shape)}/{tuple(h.shape)} do not match the layer's experts; run this "
             "step before steps that change the experts"
         )
-    g, u, d = (lay.dense().double().abs() for lay in (bank.gate, bank.up, bank.down))
-    return torch.einsum("eih,eh->ei", g + u, x) + h * d.sum(1)
+    out = torch.empty(bank.num_experts, bank.width, dtype=torch.float64, device=x.device)
+    for a in range(0, bank.num_experts, CHUNK):  # float64 copies of CHUNK experts at a time, not the layer
+        e = range(a, min(a + CHUNK, bank.num_experts))
+        g, u, d = (torch.stack([lay.expert(i) for i in e]).double().abs() for lay in (bank.gate, bank.up, bank.down))
+        out[a : e.stop] = torch.einsum("eih,eh->ei", g + u, x[a : e.stop]) + h[a : e.stop] * d.sum(1)
+    return out
 
 
 def neuron_prune(layer: MoELayer, stats: LayerStats, cfg: NeuronPruneConfig) -> tuple[MoELayer, dict]:

@@ -12,8 +12,9 @@ Qwen3-30B-A3B gets 128, gpt-oss's 2880-wide experts 64, a 48-wide toy model ``-1
     q = clamp(round(w/s) + z, 0, 2^b − 1),   ŵ = (q − z)·s        (s stored in float16; s = 0 → ŵ = 0)
 
 Every expert is quantised, including experts that saw no calibration tokens: the pass needs no
-statistics (no calibration pass runs for it). Protected (super) experts stay dense and bit-identical;
-routers, shared experts and biases are untouched. Neuron-pruned (ragged) banks are quantised at their
+statistics (the engine still runs its calibration forward for the always-collected statistics and the
+report's reconstruction errors). Protected (super) experts stay dense and bit-identical; routers,
+shared experts and biases are untouched. Neuron-pruned (ragged) banks are quantised at their
 full logical width (the pruned neurons cost codes; the forward still skips them). Factorised or
 already-quantised layouts are refused.
 
@@ -45,10 +46,11 @@ from pydantic import Field, field_validator
 from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
+from moecompress.layouts.bitpack import pack_bits, packed_size
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.rtn import RTN
-from moecompress.methods.scalar_quant import dequantize
+from moecompress.methods.scalar_quant import dequantize, group_width, quantize
 
 PROJ = ("gate", "up", "down")
 
@@ -117,20 +119,36 @@ def _largest_divisor(sizes: list[int], limit: int) -> int:
     return max(d for d in range(1, min(g, limit) + 1) if g % d == 0)
 
 
-def _rel_errors(w: torch.Tensor, lay: RTN, ids: list[int], chunk: int = 8) -> list[float]:
-    """``‖W_e − Ŵ_e‖_F / ‖W_e‖_F`` of the quantised experts ``ids`` (decoded ``chunk`` at a time)."""
-    out: list[float] = []
+def quantize_bank(
+    w: torch.Tensor, bits: int, gs: int, symmetric: bool, protected: frozenset[int], chunk: int = 8
+) -> tuple[RTN, list[float]]:
+    """``RTN.from_dense(w, ...)`` of one projection ``[E, out, in]`` and ``‖W_e − Ŵ_e‖_F / ‖W_e‖_F`` of every
+    quantised expert, from the same ``chunk``-expert pass (the codes are checked before they are packed,
+    not unpacked again)."""
+    n, out, inn = w.shape
+    ids = [e for e in range(n) if e not in protected]
+    rest = [e for e in range(n) if e in protected]
+    members = torch.full((n,), -1, dtype=torch.int64, device=w.device)
+    members[ids] = torch.arange(len(ids), device=w.device)
+    g = inn // group_width(inn, gs)
+    codes = [w.new_zeros(0, out, packed_size(inn, bits), dtype=torch.uint8)]
+    scales = [w.new_zeros(0, out, g, dtype=torch.float16)]
+    zeros = [w.new_zeros(0, out, g, dtype=torch.uint8)]
+    errors: list[float] = []
     for a in range(0, len(ids), chunk):
-        part = ids[a : a + chunk]
-        m = lay.members[part]
-        q = torch.stack([lay.quantised(e)[0] for e in part])  # type: ignore[index]
-        z = None if lay.zeros is None else lay.zeros[m]
-        deq = dequantize(q, lay.scales[m], z, lay.bits)
-        ref = w[part].float()
-        num = (deq - ref).flatten(1).norm(dim=1)
-        den = ref.flatten(1).norm(dim=1).clamp_min(1e-30)
-        out += (num / den).tolist()
-    return out
+        ref = w[ids[a : a + chunk]]
+        q, s, z = quantize(ref, bits, gs, symmetric)
+        deq = dequantize(q, s, z, bits)
+        ref = ref.float()
+        num = (deq.sub_(ref)).flatten(1).norm(dim=1)
+        errors += (num / ref.flatten(1).norm(dim=1).clamp_min(1e-30)).tolist()
+        codes.append(pack_bits(q, bits))
+        scales.append(s)
+        zeros.append(z)  # type: ignore[arg-type]
+    dense = w[rest].clone() if rest else w.new_zeros(0, out, inn)
+    lay = RTN(torch.cat(codes), torch.cat(scales), None if symmetric else torch.cat(zeros), members, dense, bits,
+              int(inn), w.dtype)  # fmt: skip
+    return lay, errors
 
 
 def _emits(layer: MoELayer, cfg: RtnConfig) -> MoELayer:
@@ -154,8 +172,7 @@ def rtn(layer: MoELayer, stats: LayerStats, cfg: RtnConfig) -> tuple[MoELayer, d
     new, errors, params, gs = {}, {}, 0, group_size(layer, cfg)
     for name in PROJ:
         w = getattr(bank, name).dense()
-        lay = RTN.from_dense(w, cfg.bits, gs, symmetric=cfg.symmetric, protected=protected)
-        errs = _rel_errors(w, lay, todo)
+        lay, errs = quantize_bank(w, cfg.bits, gs, cfg.symmetric, protected)
         errors[name] = sum(errs) / len(errs) if errs else 0.0
         new[name] = lay
         params += w.numel()

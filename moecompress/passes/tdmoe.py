@@ -268,9 +268,16 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
     }
 
 
+def _workspace(layer: MoELayer) -> int:
+    """One projection's experts stacked and whitened in float64, and the HOSVD's unfoldings and
+    factors of it (tensorly): about four copies of ``M × out × in`` float64 values."""
+    e, i, h = layer.experts.gate.shape
+    return 4 * e * i * h * 8
+
+
 SPEC = PassSpec(
     "tdmoe", TdmoeConfig, tdmoe, needs=ALL_NEEDS | {"io_sample"}, emits=_emits, check=_check, plan=_plan,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
     | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
-    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",),
+    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=lambda layer, cfg: _workspace(layer),
 )  # fmt: skip

@@ -1,0 +1,119 @@
+"""How much of the perplexity lost by compression a ``distill`` stage recovers, per method, at equal
+steps and tokens (issue 16).
+
+    python benchmarks/distill_recovery.py [--shared ../shared] [--model ref-qwen3moe] [--ratio 0.5]
+        [--methods kd hidden_mse sft residual] [--steps 60] [--batch 4] [--seq-len 128] [--lr 1e-3]
+        [--samples N] [--threads 1] [--json PATH]
+
+The model is pruned once by ``heapr`` (global, ragged) at ``--ratio``, then each method trains the
+pruned model (``trainable: compressed``: the ragged rows and nothing else) against the original with
+the same seed, steps, batch and sequence length, on the corpus files' training split (by default
+``steps × batch`` distinct sequences: one epoch, no repetition). Perplexity is
+measured by ``mc.evaluate`` on the held-out split (last 2 % of every corpus file, 16,384 tokens in
+windows of 256), which training never reads and nothing is tuned on. "recovered" is
+``(ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_base)``. Times are the stage's wall and thread CPU
+seconds (the machine is shared: wall time is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+import moecompress as mc
+
+METHODS = {
+    "kd": {"method": "kd"},
+    "hidden_mse": {"method": "hidden_mse"},
+    "sft": {"method": "sft"},
+    "residual": {"method": "residual"},
+    "residual-nobeta": {"method": "residual", "beta": False},
+    "residual-nomask": {"method": "residual", "mask": False},
+    "residual-nopretrain": {"method": "residual", "pretrain_projector": False},
+    "residual-mean": {"method": "residual", "fusion": "mean"},
+    "kd-router": {"method": "kd", "trainable": "router"},
+    "kd-all": {"method": "kd", "trainable": "all"},
+    "kd-lora": {"method": "kd", "trainable": "lora", "lora_rank": 8},
+    "kd-tr-nr": {"method": "kd", "token_rounding": {"tile": 128, "mode": "nr"}},
+    "kd-tr-up": {"method": "kd", "token_rounding": {"tile": 128, "mode": "up"}},
+    "kd-tr-down": {"method": "kd", "token_rounding": {"tile": 128, "mode": "down"}},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
+    ap.add_argument("--model", default="ref-qwen3moe")
+    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--methods", nargs="+", default=["kd", "hidden_mse", "sft", "residual"], choices=list(METHODS))
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--samples", type=int, default=None,
+                    help="training sequences + holdout (8); default steps × batch + 8: no sequence is seen twice")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
+    ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
+    ap.add_argument("--json", help="also write all rows to this JSON file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    data = Path(args.shared) / "data"
+    corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
+    model = data / "models" / args.model
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="distill-bench-"))
+    source = "file:" + ",".join(corpus)
+    cal = {"source": source, "samples": 64, "seq_len": 256, "batch_size": 8, "cache_dir": str(work / "cache")}
+    ev = {"texts": corpus, "max_tokens": 16384, "seq_len": 256}
+    pruned = work / "pruned"
+    if not (pruned / "config.json").is_file():
+        mc.apply({"model": str(model), "output": str(pruned), "calibration": cal,
+                  "steps": [{"heapr": {"ratio": args.ratio, "scope": "global"}}]}, progress=False)  # fmt: skip
+    base = mc.load(model)
+    ppl_base = mc.evaluate(model, **ev)["perplexity"]
+    ppl_pruned = mc.evaluate(pruned, against=base, **ev)["perplexity"]
+    print(f"{args.model}: base {ppl_base:.2f}, heapr {args.ratio:g} {ppl_pruned:.2f}", flush=True)
+    rows = []
+    for label in args.methods:
+        out = work / f"distill-{label}"
+        step = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "samples": args.samples or args.steps * args.batch + 8,
+                "holdout": 8, "lr": args.lr, "teacher": str(model), "data": source, "seed": 0,
+                "projector_steps": max(1, args.steps // 3), **METHODS[label]}  # fmt: skip
+        t0 = time.perf_counter()
+        mc.apply({"model": str(pruned), "output": str(out), "calibration": cal, "steps": [{"distill": step}]},
+                 overwrite=True, progress=False)  # fmt: skip
+        wall = time.perf_counter() - t0
+        s = json.loads((out / "steps" / "01-distill" / "report.json").read_text())["summary"]
+        e = mc.evaluate(out, against=base, **ev)
+        lost = ppl_pruned - ppl_base
+        row = {"method": label, "ppl": e["perplexity"], "kl": e["kl"], "top1": e["top1_agreement"],
+               "recovered": (ppl_pruned - e["perplexity"]) / lost if lost > 0 else None,
+               "train_heldout_before": s["heldout_loss_before"], "train_heldout_after": s["heldout_loss_after"],
+               "tokens": s["train_tokens"], "tokens_per_s": s["tokens_per_second"], "train_s": s["train_seconds"],
+               "train_cpu_s": s["train_cpu_seconds"], "wall_s": wall, "peak_mb": s["peak_memory_mb"],
+               "trainable_params": s["trainable_params"]}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    result = {"model": args.model, "ratio": args.ratio, "ppl_base": ppl_base, "ppl_pruned": ppl_pruned,
+              "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "rows": rows}  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print("| method | ppl | KL | top-1 | recovered | train tokens | tokens/s | train CPU s | peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['ppl']:.2f} | {r['kl']:.4f} | {r['top1']:.3f} | {100 * r['recovered']:.1f}% | "
+              f"{r['tokens']:,} | {r['tokens_per_s']:.0f} | {r['train_cpu_s']:.1f} | {r['peak_mb']:.0f} |")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

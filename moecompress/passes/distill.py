@@ -1,0 +1,107 @@
+"""``distill``: a whole-model training stage that heals the compressed model against a teacher.
+
+The student is the model as the earlier steps left it, in its compressed layout: what trains is what
+the layout stores (ragged rows, Tucker factors and cores, low-rank factors, codebook centroids with
+the codes fixed, RTN scales, merged experts), never a dense copy. The teacher is the recipe's input
+checkpoint (``teacher:`` names another with the same tokenizer). Methods: ``kd`` (KL to the teacher's
+logits), ``hidden_mse`` (final hidden states), ``sft`` (next-token cross entropy) and ``residual``
+(METHODS.md §6, with the ablation switches ``beta``, ``mask``, ``pretrain_projector``, ``fusion``).
+Training data: ``data`` (a calibration source; default the recipe's ``calibration.source``),
+``samples`` sequences of ``seq_len`` tokens, the last ``holdout`` held back for the before/after loss
+and early stopping. No calibration statistics. See ``docs/training.md``.
+
+Example step::
+
+    - distill: {method: kd, trainable: compressed, steps: 200, lr: 1.0e-4, batch: 4, seq_len: 256}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moecompress.engine.spec import PassConfig, PassSpec, StageSpec
+from moecompress.errors import PassError
+
+
+class TokenRounding(PassConfig):
+    tile: int = Field(128, ge=1, description="each expert's token count is rounded to a multiple of this")
+    mode: Literal["nr", "up", "down"] = Field("nr", description="nearest, up or down")
+
+
+class DistillConfig(PassConfig):
+    method: Literal["kd", "hidden_mse", "sft", "residual"] = Field("kd", description="training loss")
+    trainable: Literal["compressed", "router", "all", "lora"] = Field(
+        "compressed", description="compressed: the experts' stored tensors; router: router rows; all: "
+        "everything (the non-MoE weights too); lora: per-expert LoRA merged back (dense/ragged experts)"
+    )
+    token_rounding: TokenRounding | None = Field(
+        None, description="SonicMoE token rounding in the student's training forward (default: exact top-k)"
+    )
+    lora_rank: int = Field(8, ge=1, description="lora: rank r of each expert's LoRA")
+    lora_alpha: float = Field(16.0, gt=0, description="lora: the delta is scaled by alpha / r")
+    steps: int = Field(100, ge=0, description="optimiser steps")
+    lr: float = Field(1e-4, ge=0, description="AdamW learning rate")
+    batch: int = Field(4, ge=1, description="sequences per step")
+    seq_len: int = Field(256, ge=2, description="tokens per sequence")
+    samples: int = Field(64, ge=2, description="sequences drawn from data (training + held back)")
+    holdout: int = Field(8, ge=1, description="sequences held back for the held-out loss and early stopping")
+    data: str | None = Field(None, description="calibration source of the training text (default: calibration.source)")
+    teacher: str | None = Field(None, description="teacher checkpoint (default: the recipe's model)")
+    seed: int = Field(0, ge=0)
+    clip: float = Field(1.0, ge=0, description="gradient-norm clipping (0: off)")
+    eval_every: int = Field(0, ge=0, description="held-out loss every N steps for early stopping (0: off)")
+    save_every: int = Field(0, ge=0, description="save the training state every N steps: --resume continues there")
+    patience: int = Field(2, ge=1, description="evaluations without improvement before stopping")
+    temperature: float = Field(1.0, gt=0, description="kd: softmax temperature")
+    d_a: int = Field(64, ge=1, description="residual: projector width d_A")
+    lambda_res: float = Field(0.5, ge=0, le=1, description="residual: weight λ of L_res against SFT")
+    beta: bool = Field(True, description="residual: scale the residual by β (false: β = 1)")
+    mask: bool = Field(True, description="residual: only where the teacher's top-1 is wrong (false: everywhere)")
+    pretrain_projector: bool = Field(True, description="residual: stage-1 projector pre-training")
+    projector_steps: int = Field(50, ge=0, description="residual: stage-1 steps")
+    projector_lr: float = Field(1e-3, gt=0, description="residual: stage-1 learning rate")
+    fusion: Literal["attention", "mean"] = Field("attention", description="residual: MoE teacher expert fusion")
+
+    @model_validator(mode="after")
+    def _holdout_fits(self) -> DistillConfig:
+        if self.holdout >= self.samples:
+            raise ValueError(f"holdout={self.holdout} must be smaller than samples={self.samples}")
+        return self
+
+
+def distill(layer, stats, cfg: DistillConfig):
+    """Heal the compressed model against a teacher (kd, hidden_mse, sft, residual): a whole-model stage."""
+    raise PassError("distill is a whole-model stage: the engine runs it between segments, never per layer")
+
+
+def check(layer, cfg: DistillConfig) -> None:
+    """``trainable: lora`` needs layouts a LoRA delta can be merged into, ``token_rounding`` a softmax
+    top-k router (the dry run sees the layer the earlier steps emit)."""
+    spec = layer.router
+    if cfg.token_rounding is not None and (spec.gating.value != "softmax_topk" or spec.n_group is not None):
+        raise PassError(f"token_rounding needs a softmax top-k router without expert groups (this layer's "
+                        f"gating is {spec.gating.value}); remove token_rounding")  # fmt: skip
+    if cfg.trainable == "lora":
+        from moecompress.training.lora import lora_problem
+
+        why = lora_problem(layer)
+        if why is not None:
+            raise PassError(why)
+
+
+def _run(job) -> dict:
+    from moecompress.training.stage import run_distill
+
+    return run_distill(job)
+
+
+def _memory(job, student_bytes: int, teacher_bytes: int) -> int:
+    from moecompress.training.stage import memory_estimate
+
+    return memory_estimate(job, student_bytes, teacher_bytes)
+
+
+STAGE = StageSpec(run=_run, memory=_memory)
+SPEC = PassSpec("distill", DistillConfig, distill, check=check, stage=STAGE)

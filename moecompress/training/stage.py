@@ -1,0 +1,144 @@
+"""The ``distill`` stage end to end: data, student and teacher, training, writing, the report; and the
+dry run's memory estimate.
+
+Memory (one device, float32): the student's and the teacher's weights (4 bytes a parameter each),
+gradients and the two AdamW moments of the trainable parameters (bounded by the whole student:
+3 × 4 bytes a parameter), and the activations autograd keeps for one batch, about
+``batch × seq_len × 4 bytes × (layers × (16·hidden + 4·top_k·expert_width + heads·seq_len) + 6·vocab)``
+(attention, the routed experts' gate/up/activation, the attention probabilities, the student's and the
+teacher's logits with their softmax and gradient). A stage estimated above
+``calibration.memory_limit`` (or what the machine has) is refused in the dry run with the figure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from moecompress.calibration.sources import load_token_ids
+from moecompress.errors import CheckpointError, PassError
+from moecompress.io.checkpoint import open_checkpoint
+from moecompress.training.loop import train
+from moecompress.training.losses import Objective, Teacher
+from moecompress.training.student import build_model, group_of, non_moe_parameters
+from moecompress.training.write import write_trained
+
+
+def _cfg(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def memory_estimate(job, student_bytes: int, teacher_bytes: int) -> int:
+    """Estimated peak bytes of the stage (see the module docstring)."""
+    cfg, c = job.config, _cfg(job.teacher_dir)
+    text = c.get("text_config") or c
+    hidden = int(text.get("hidden_size") or 0)
+    layers = int(text.get("num_hidden_layers") or 0)
+    vocab = int(text.get("vocab_size") or 0)
+    heads = int(text.get("num_attention_heads") or 1)
+    k = int(text.get("num_experts_per_tok") or 1)
+    width = int(text.get("moe_intermediate_size") or text.get("intermediate_size") or 0)
+    per_byte = 4 / 2  # stored weights are mostly 16-bit; float32 in training
+    weights = int((student_bytes + teacher_bytes) * per_byte)
+    optimiser = 3 * int(student_bytes * per_byte)
+    tokens = cfg.batch * cfg.seq_len
+    act = 4 * tokens * (layers * (16 * hidden + 4 * k * width + heads * cfg.seq_len) + 6 * vocab)
+    return weights + optimiser + act
+
+
+def check_teacher(student_dir: Path, teacher_dir: Path, label: str) -> None:
+    """The teacher must share the student's vocabulary (and tokenizer, when both carry one)."""
+    s, t = _cfg(student_dir), _cfg(teacher_dir)
+    sv, tv = (s.get("text_config") or s).get("vocab_size"), (t.get("text_config") or t).get("vocab_size")
+    if sv != tv:
+        raise PassError(f"{label}: field 'teacher': vocabulary {tv} differs from the student's {sv}; "
+                        "name a teacher with the same tokenizer")  # fmt: skip
+    a, b = Path(student_dir) / "tokenizer.json", Path(teacher_dir) / "tokenizer.json"
+    if a.is_file() and b.is_file() and _digest(a) != _digest(b):
+        raise PassError(f"{label}: field 'teacher': {b} differs from the student's tokenizer; name a teacher "
+                        "with the same tokenizer")  # fmt: skip
+
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _parameters(model, moes, cfg) -> list[torch.nn.Parameter]:
+    trainable, out = cfg.trainable, []
+    for i, moe in moes.items():
+        if trainable == "lora":
+            out += moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
+            continue
+        moe.freeze_protected()
+        for name, p in moe.named_stored().items():
+            if trainable == "all" or group_of(name) == trainable:
+                out.append(p)
+    if trainable == "all":
+        out += list(non_moe_parameters(model).values())
+    return out
+
+
+def run_distill(job) -> dict:
+    """Train, write ``job.output_dir``, return the report's summary, plots and warnings."""
+    cfg, cal = job.config, job.calibration
+    try:
+        student_ck, teacher_ck = open_checkpoint(job.input_dir), open_checkpoint(job.teacher_dir)
+    except CheckpointError as err:
+        raise PassError(f"{job.label}: {err}") from None
+    check_teacher(job.input_dir, job.teacher_dir, job.label)
+    source = cfg.data or cal.source
+    ids = load_token_ids(source, model_dir=teacher_ck.path, samples=cfg.samples, seq_len=cfg.seq_len, seed=cfg.seed)
+    train_ids, hold_ids = ids[: -cfg.holdout], ids[-cfg.holdout :]
+    device = job.device
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    student, moes = build_model(student_ck, device)
+    teacher_model, teacher_moes = build_model(teacher_ck, device)
+    teacher = Teacher(teacher_model, teacher_moes, cfg.fusion if cfg.method == "residual" else None)
+    d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
+    if cfg.method == "hidden_mse" and d_s != d_t:
+        raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
+    objective = Objective(cfg, d_s, d_t, teacher_model.get_output_embeddings(), cfg.seed).to(device)
+    objective.bind_student_head(student.get_output_embeddings())
+    params = _parameters(student, moes, cfg)
+    state = None if job.state_dir is None else Path(job.state_dir)
+    res = train(student, moes, params, objective, teacher, train_ids, hold_ids, cfg, device=job.device,
+                progress=job.progress, state_dir=state)  # fmt: skip
+    trained = non_moe_parameters(student) if cfg.trainable == "all" else {}
+    write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size)
+    summary = {
+        "method": cfg.method,
+        "trainable": cfg.trainable,
+        "trainable_params": sum(p.numel() for p in params),
+        "steps": res.steps,
+        "stopped_early": res.stopped_early,
+        "train_tokens": res.tokens,
+        "heldout_loss_before": res.heldout_before,
+        "heldout_loss_after": res.heldout_after,
+        "heldout_ppl_before": float(torch.tensor(res.heldout_before).exp()),
+        "heldout_ppl_after": float(torch.tensor(res.heldout_after).exp()),
+        "loss_first": res.curve[0] if res.curve else None,
+        "loss_last": res.curve[-1] if res.curve else None,
+        "loss_curve": res.curve,
+        "heldout_curve": res.heldout_curve,
+        "projector_curve": res.projector_curve,
+        "tokens_per_second": res.tokens / res.seconds if res.seconds > 0 else None,
+        "train_seconds": round(res.seconds, 3),
+        "train_cpu_seconds": round(res.cpu_seconds, 3),
+        "peak_memory_mb": round(res.peak_memory_mb, 1),
+        "data": source,
+        "teacher": "the recipe's model" if cfg.teacher is None else cfg.teacher,
+    }
+    plots = []
+    if res.curve:
+        plots.append({"file": "loss.png", "kind": "line", "data": res.curve, "title": f"{cfg.method} loss per step",
+                      "xlabel": "step", "ylabel": "loss"})  # fmt: skip
+    warnings = [teacher.note] if teacher.note else []
+    if res.heldout_after > res.heldout_before:
+        warnings.append(f"the held-out loss rose ({res.heldout_before:.4f} -> {res.heldout_after:.4f}); "
+                        "lower lr or steps")  # fmt: skip
+    return {"summary": summary, "plots": plots, "warnings": warnings, "seconds": res.seconds,
+            "peak_rss_mb": res.peak_memory_mb}  # fmt: skip
