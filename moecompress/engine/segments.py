@@ -65,8 +65,11 @@ def _teacher(rec: Recipe, step: Step) -> str:
 
 
 def _job(rec: Recipe, step: Step, src: Path, out: Path, progress: bool, device: str = "cpu",
-         state: Path | None = None) -> StageJob:  # fmt: skip
-    return StageJob(step.label, step.config, src, Path(_teacher(rec, step)), out, rec.calibration,
+         state: Path | None = None, teacher: Path | None = None) -> StageJob:  # fmt: skip
+    """``teacher``: the teacher's resolved directory (default: the step's or the recipe's model, resolved)."""
+    if teacher is None:
+        teacher = open_checkpoint(_teacher(rec, step)).path  # a Hub id or moecompress:quickstart -> its directory
+    return StageJob(step.label, step.config, src, Path(teacher), out, rec.calibration,
                     rec.max_shard_size, device, progress, state)  # fmt: skip
 
 
@@ -95,7 +98,8 @@ def stage_plan(rec: Recipe, ckpt: Checkpoint, plan: dict) -> dict:
         prev = rec.steps[n - 1].label if n else None
         student = plan["estimated_output_bytes"].get(prev, plan["input_bytes"]) if prev else plan["input_bytes"]
         teacher_bytes = sum(t_ckpt.reader.nbytes(k) for k in t_ckpt.reader.keys)
-        need = step.spec.stage.memory(_job(rec, step, ckpt.path, ckpt.path, False), student, teacher_bytes)
+        job = _job(rec, step, ckpt.path, ckpt.path, False, teacher=t_ckpt.path)
+        need = step.spec.stage.memory(job, student, teacher_bytes)
         est[step.label] = need
         if limit is not None and need > limit:
             where = "calibration.memory_limit" if c.memory_limit is not None else "available on this machine"
