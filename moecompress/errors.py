@@ -79,3 +79,7 @@ class Interrupted(MoecompressError):
     """The run was interrupted (Ctrl-C); the message says what was kept for ``--resume``."""
 
     exit_code = 130
+
+
+class CalibrationError(MoecompressError):
+    """A calibration source, its files, the tokenizer or the sampling arguments are unusable."""
