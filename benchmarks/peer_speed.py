@@ -6,12 +6,14 @@ builder, no model held): Qwen3-MoE, 64 experts, hidden 1024, expert width 512, t
 Both tools get the *same* calibration token ids: ``--samples`` x ``--seq-len`` windows of the ``random``
 source (:func:`moecompress.calibration.sources.load_token_ids`); moecompress runs with ``--holdout``
 extra sequences appended, which it holds back from its statistics, so both take statistics over the
-identical tokens. The pairs:
+identical tokens. Both RTNs are data-free: ours runs with ``calibration.source: none`` (no tokens, no
+calibration, no reconstruction errors), as llm-compressor's RTN reads no data. The pairs:
 
 ==============  ====================================  ==============================================
 pair            moecompress step                      llm-compressor recipe
 ==============  ====================================  ==============================================
-rtn             ``rtn: {bits: 4}`` (group 128)        ``QuantizationModifier(scheme="W4A16")``
+rtn             ``rtn: {bits: 4}`` (group 128),       ``QuantizationModifier(scheme="W4A16")``
+                ``calibration.source: none``          (data-free, as the peer's RTN)
 reap            ``expert_prune: {ratio, method: reap}``  ``REAPPruningModifier(sparsity=ratio)``
 codequant/gptq  ``codequant: {bits: 4}``              ``GPTQModifier(scheme="W4A16")``
 ==============  ====================================  ==============================================
@@ -27,6 +29,10 @@ the repetitions, and ``uptime`` before and after says how loaded the (shared) ma
     python -m venv /tmp/peer && /tmp/peer/bin/pip install /opt/wheels/torch-2.13.0+cpu-*.whl \\
         && /tmp/peer/bin/pip install llmcompressor "torch==2.13.0"
     python benchmarks/peer_speed.py --peer-python /tmp/peer/bin/python --reps 2
+    OMP_NUM_THREADS=1 python benchmarks/peer_speed.py --timeout 1500   # a shared machine: one thread each
+
+``--timeout`` stops a compression after that many wall seconds (its CPU seconds so far are reported);
+``--calibrated-rtn`` runs our ``rtn`` with the default calibration instead of ``source: none``.
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ def run_ours(args) -> dict:
     }[args.method]
     cal = {"source": "random", "samples": args.samples + args.holdout, "seq_len": args.seq_len, "seed": 0,
            "holdout": args.holdout, "batch_size": 8, "device": "cpu", "cache_dir": f"{args.out}.cache"}  # fmt: skip
+    if args.method == "rtn" and not args.calibrated_rtn:  # data-free, like the peer's RTN
+        cal = {"source": "none", "device": "cpu", "cache_dir": f"{args.out}.cache"}
     rec = {"model": args.model, "output": args.out, "calibration": cal, "steps": [step]}
     mc.apply(rec, progress=False, overwrite=True)
     return {}
@@ -130,7 +138,14 @@ def spawn(side: str, method: str, model: Path, root: Path, args) -> dict:
            "--ids", str(root / "ids.safetensors"), "--ratio", str(args.ratio), "--samples", str(args.samples),
            "--seq-len", str(args.seq_len), "--holdout", str(args.holdout)]  # fmt: skip
     t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    if args.calibrated_rtn:
+        cmd.append("--calibrated-rtn")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # killed and reaped: its CPU time so far is in RUSAGE_CHILDREN
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+        return {"error": f"> {args.timeout:.0f} s wall (stopped)", "wall_s": time.perf_counter() - t0, "cpu_s": cpu}
     wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
     if res.returncode:
@@ -150,6 +165,9 @@ def main() -> None:
     ap.add_argument("--holdout", type=int, default=4, help="moecompress's held-back extra sequences")
     ap.add_argument("--ratio", type=float, default=0.25, help="REAP: fraction of experts removed")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="wall seconds per compression")
+    ap.add_argument("--calibrated-rtn", action="store_true",
+                    help="our rtn calibrates (default source) instead of source: none")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and outputs")
     # internal: one compression in a subprocess
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -190,7 +208,8 @@ def main() -> None:
             ok = [r for r in runs[m][side] if "error" not in r]
             cells.append((min(r["wall_s"] for r in ok), min(r["cpu_s"] for r in ok),
                           max(r["peak_rss_mib"] for r in ok)) if ok else None)  # fmt: skip
-        fmt = [f"{c[0]:.1f} | {c[1]:.1f} | {c[2]:.0f}" if c else "failed | | " for c in cells]
+        errs = [next((r["error"] for r in runs[m][side] if "error" in r), "failed") for side in ("ours", "peer")]
+        fmt = [f"{c[0]:.1f} | {c[1]:.1f} | {c[2]:.0f}" if c else f"{e} | | " for c, e in zip(cells, errs)]
         print(f"| {m} | {fmt[0]} | {PEER_NAME[m]} | {fmt[1]} |")
     if args.json:
         args.json.write_text(json.dumps({"load": load, "runs": runs}, indent=1))

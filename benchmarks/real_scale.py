@@ -40,7 +40,7 @@ import torch
 
 GiB = 1024**3
 CAL = {"source": "random", "samples": 128, "seq_len": 512}
-STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}}
+STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {}}
 
 
 def _meta_shapes(model_type: str, **cfg) -> tuple[object, dict[str, tuple[int, ...]]]:
@@ -77,12 +77,16 @@ def _layer_of(name: str) -> int:
     return -1 if m is None else int(m.group(1))
 
 
-def deepseek(root: Path) -> None:
+def deepseek_checkpoint(root: Path, moe_layers: int = 2, experts: int = 256, vocab: int | None = None) -> Path:
+    """The sparse DeepSeek-V3-shaped FP8 checkpoint (the dense first layer and ``moe_layers`` MoE layers);
+    ``experts`` < 256 keeps every shape but the routed-expert count (``n_group`` 8, ``topk_group`` 4)."""
     from moecompress.io.writer import safetensors_header
     from moecompress.testing_quantized import quantisable
 
+    extra = {} if vocab is None else {"vocab_size": vocab}
     cfg, shapes = _meta_shapes(
-        "deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, tie_word_embeddings=False,
+        "deepseek_v3", num_hidden_layers=1 + moe_layers, first_k_dense_replace=1, tie_word_embeddings=False,
+        n_routed_experts=experts, **extra,
     )  # every other size is DeepSeek-V3's (transformers' defaults for the config are the release's)
     shapes = _per_expert(shapes)
     entries, total = [], 0
@@ -98,7 +102,7 @@ def deepseek(root: Path) -> None:
             size = 2 * math.prod(shape) if "e_score_correction_bias" not in name else 4 * math.prod(shape)
             entries.append((name, "F32" if "e_score_correction_bias" in name else "BF16", list(shape), size))
             total += size
-    path = root / "deepseek-v3-fp8"
+    path = root / f"deepseek-v3-fp8-{moe_layers}l-{experts}e"
     path.mkdir(parents=True, exist_ok=True)
     shards: list[list[tuple]] = [[]]
     for entry in sorted(entries, key=lambda x: (_layer_of(x[0]), x[0])):  # ~4 GB shards, as releases have
@@ -120,8 +124,13 @@ def deepseek(root: Path) -> None:
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     (path / "config.json").write_text(json.dumps(raw))
     used = sum(os.stat(p).st_blocks * 512 for p in path.glob("*.safetensors"))
-    print(json.dumps({"checkpoint": "deepseek-v3-fp8", "apparent_gib": round(total / GiB, 2), "shards": len(shards),
+    print(json.dumps({"checkpoint": path.name, "apparent_gib": round(total / GiB, 2), "shards": len(shards),
                       "disk_used_gib": round(used / GiB, 3)}))  # fmt: skip
+    return path
+
+
+def deepseek(root: Path) -> None:
+    path = deepseek_checkpoint(root)
     import moecompress as mc
     from moecompress.engine import resources
     from moecompress.engine.dry_run import dry_run
@@ -194,31 +203,69 @@ print(json.dumps({"wall_s": wall, "peak": resource.getrusage(resource.RUSAGE_SEL
 """
 
 
-def gptoss(root: Path, steps: list[str], samples: int, seq_len: int) -> None:
-    path = root / "gpt-oss-120b-mxfp4-2l"
+def gptoss(root: Path, steps: list[str], samples: int, seq_len: int, layers: int = 2, chunk: str = "auto",
+           limit: str | None = None, source: str = "random") -> None:  # fmt: skip
+    path = root / f"gpt-oss-120b-mxfp4-{layers}l"
     if not path.exists():
         t = time.perf_counter()
-        size = gptoss_checkpoint(path)
+        size = gptoss_checkpoint(path, layers)
         print(json.dumps({"checkpoint": path.name, "gib": round(size / GiB, 2), "build_s": round(time.perf_counter() - t, 1)}))
     for name in steps:
         out = root / f"out-{name}"
-        rec = {"model": str(path), "output": str(out), "steps": [{name: STEPS[name]}],
-               "calibration": {**CAL, "samples": samples, "seq_len": seq_len, "cache_dir": str(root / f"cache-{name}")}}  # fmt: skip
+        cal = {"source": "none"} if source == "none" else {**CAL, "samples": samples, "seq_len": seq_len}
+        cal = {**cal, "memory_limit": limit} if limit else cal
+        rec = {"model": str(path), "output": str(out), "steps": [{name: STEPS[name]}], "expert_chunk": chunk,
+               "calibration": {**cal, "cache_dir": str(root / f"cache-{name}")}}  # fmt: skip
         res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec)], capture_output=True, text=True)
         if res.returncode:
-            print(json.dumps({"step": name, "error": (res.stderr.strip().splitlines() or ["?"])[-1]}))
+            print(json.dumps({"step": name, "layers": layers, "expert_chunk": chunk,
+                              "error": (res.stderr.strip().splitlines() or ["?"])[-1][:400]}))  # fmt: skip
             continue
         m = json.loads(res.stdout.strip().splitlines()[-1])
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         report = json.loads((out / "report.json").read_text())
-        per_layer = sum(s["seconds"] for s in report["steps"]) / 2
-        print(json.dumps({"model": "gpt-oss-120b shapes, mxfp4, 2 MoE layers", "step": name,
-                          "calibration": f"{samples} x {seq_len}", "peak_rss_gib": round(m["peak"] / GiB, 2),
+        per_layer = sum(s["seconds"] for s in report["steps"]) / layers
+        print(json.dumps({"model": f"gpt-oss-120b shapes, mxfp4, {layers} MoE layers", "step": name,
+                          "expert_chunk": chunk, "chunks": report["dry_run"].get("expert_chunk"), "memory_limit": limit,
+                          "calibration": source if source == "none" else f"{samples} x {seq_len}",
+                          "peak_rss_gib": round(m["peak"] / GiB, 2),
                           "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
                           "read_gib": round(m["read"] / GiB, 2), "written_gib": round(written / GiB, 2),
                           "calibration_s": report["calibration"].get("seconds"), "step_s_per_layer": round(per_layer, 1),
-                          "full_model_36_layers_h": round((m["wall_s"] / 2) * 36 / 3600, 2)}))  # fmt: skip
+                          "full_model_36_layers_h": round((m["wall_s"] / layers) * 36 / 3600, 2)}))  # fmt: skip
         subprocess.run(["rm", "-rf", str(out), str(root / f"cache-{name}")], check=False)
+
+
+def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limit: str | None, samples: int,
+                 seq_len: int, source: str, experts: int = 256, vocab: int | None = None) -> None:  # fmt: skip
+    """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros) in a fresh process:
+    peak RSS, wall time, bytes read and written; ``source: none`` needs no calibration."""
+    path = root / f"deepseek-v3-fp8-{moe_layers}l-{experts}e"
+    if not path.exists():
+        deepseek_checkpoint(root, moe_layers, experts, vocab)
+    for name in steps:
+        out = root / f"out-{name}-{moe_layers}l-{chunk}"
+        cal = {"source": "none"} if source == "none" else {**CAL, "samples": samples, "seq_len": seq_len}
+        if limit:
+            cal["memory_limit"] = limit
+        rec = {"model": str(path), "output": str(out), "steps": [{name: STEPS[name]}], "expert_chunk": chunk,
+               "max_shard_size": "2GB", "calibration": {**cal, "cache_dir": str(root / f"cache-{name}")}}  # fmt: skip
+        res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec)], capture_output=True, text=True)
+        line = {"model": f"deepseek-v3 fp8, {moe_layers} MoE layer(s) of {experts} experts", "step": name,
+                "expert_chunk": chunk,
+                "memory_limit": limit, "calibration": source if source == "none" else f"{samples} x {seq_len}"}  # fmt: skip
+        if res.returncode:
+            print(json.dumps({**line, "error": (res.stderr.strip().splitlines() or ["?"])[-1][:400]}))
+            continue
+        m = json.loads(res.stdout.strip().splitlines()[-1])
+        written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        report = json.loads((out / "report.json").read_text())
+        print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
+                          "step_estimate_gib": round(max(v["bytes"] for v in report["dry_run"]["step_memory"].values()) / GiB, 2),
+                          "wall_s": round(m["wall_s"], 1), "read_gib": round(m["read"] / GiB, 2),
+                          "written_gib": round(written / GiB, 2),
+                          "step_s_per_layer": round(sum(s["seconds"] for s in report["steps"]) / moe_layers, 1)}))  # fmt: skip
+        subprocess.run(["rm", "-rf", str(out)], check=False)
 
 
 def main() -> None:
@@ -228,13 +275,25 @@ def main() -> None:
     ap.add_argument("--steps", nargs="*", default=list(STEPS))
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--run", action="store_true", help="deepseek: run the layer loop (not only the dry run)")
+    ap.add_argument("--moe-layers", type=int, default=2)
+    ap.add_argument("--expert-chunk", default="auto")
+    ap.add_argument("--memory-limit", default=None)
+    ap.add_argument("--source", default="random", help="calibration source (none: data-free)")
+    ap.add_argument("--experts", type=int, default=256, help="deepseek: routed experts per layer (real: 256)")
+    ap.add_argument("--vocab", type=int, default=None, help="deepseek: vocabulary (real: 129280)")
     args = ap.parse_args()
+    args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)
-    if args.what == "deepseek":
+    if args.what == "deepseek" and args.run:
+        deepseek_run(root, args.steps, args.moe_layers, args.expert_chunk, args.memory_limit, args.samples,
+                     args.seq_len, args.source, args.experts, args.vocab)  # fmt: skip
+    elif args.what == "deepseek":
         deepseek(root)
     else:
-        gptoss(root, args.steps, args.samples, args.seq_len)
+        gptoss(root, args.steps, args.samples, args.seq_len, args.moe_layers, args.expert_chunk, args.memory_limit,
+               args.source)  # fmt: skip
 
 
 if __name__ == "__main__":

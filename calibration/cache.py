@@ -79,8 +79,27 @@ def read_meta(entry: Path) -> dict:
     return meta
 
 
+CHUNK_ORDERED = frozenset({"down_in_cov_pooled"})
+"""Forward statistics whose float64 sums pool every expert's terms: an expert-chunked layer adds the same
+terms in another order (chunk by chunk), so their last bits depend on the chunking."""
+
+
+def chunk_key(needs, expert_chunks) -> dict:
+    """The cache-key part of the expert chunking (``RunContext.expert_chunks``): empty, so entries are
+    shared with whole-layer runs, unless a statistic in ``needs`` has bits that depend on it (the backward
+    ones, whose gradients reach earlier layers as sums over chunks, and :data:`CHUNK_ORDERED`); then the
+    chunk size of every chunked layer."""
+    from moecompress.calibration.catalogue import backward_needed
+
+    if not expert_chunks or not (backward_needed(set(needs)) or CHUNK_ORDERED & set(needs)):
+        return {}
+    return {"expert_chunks": {str(i): int(n) for i, n in sorted(expert_chunks.items())}}
+
+
 class StatsCache:
     """Find or fill the cache entry for one (model, calibration) pair."""
+
+    chunk_key = staticmethod(chunk_key)
 
     def __init__(self, root: str | Path, model: str, calibration: dict) -> None:
         self.root = Path(root)

@@ -32,6 +32,53 @@ from moecompress.reference import moe_forward
 log = logging.getLogger(__name__)
 
 
+def check_finite(layer: MoELayer, experts: bool = True) -> None:
+    """:class:`CheckpointError` naming the layer, projection and expert of the first NaN/Inf weight of
+    the MoE block (found before it poisons every later layer's statistics); ``experts=False``: the
+    router and the shared expert only (an expert-chunked layer checks each chunk as it is read)."""
+    if experts:
+        check_bank_finite(layer.index, layer.experts)
+    if layer.shared is not None:
+        check_bank_finite(layer.index, layer.shared, shared=True)
+    for name in ("router_weight", "router_bias", "score_bias", "shared_gate"):
+        t = getattr(layer, name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"layer {layer.index}: the router's {name} holds NaN/Inf; the checkpoint is damaged")
+
+
+def check_bank_finite(index: int, bank, shared: bool = False, first: int = 0) -> None:
+    """The check of :func:`check_finite` on one bank (``first``: the layer's id of its expert 0)."""
+    bank_name = "shared expert" if shared else "expert"
+    for proj in ("gate", "up", "down"):
+        for name, t in getattr(bank, proj).tensors().items():
+            if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+                continue
+            bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(1) if t.dim() == 3 else None
+            which = f" {first + int(bad.nonzero()[0])}" if bad is not None and not shared else ""
+            raise CheckpointError(
+                f"layer {index}: {bank_name}{which} {proj}_proj ({name}) holds NaN/Inf weights; the "
+                "checkpoint is damaged: re-download or re-export it"
+            )
+
+
+def to_device(obj, device: torch.device):
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``: the
+    activations stay on the host and visit the compute device one batch at a time."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def run_batch(mod, x: torch.Tensor, args: tuple, kw: dict, device: torch.device):
+    """One batch through a materialised decoder layer on ``device``; the output back on the host (on the
+    CPU every move is a no-op)."""
+    return to_device(mod(x.to(device), *to_device(args, device), **to_device(kw, device)), torch.device("cpu"))
+
+
 class InstrumentedMoE(nn.Module):
     """Drop-in MoE block running :func:`moe_forward` on a canonical layer, with an optional observer."""
 
@@ -134,6 +181,20 @@ class Skeleton:
             setattr(parent, attr, new)
             done.add(mod_name)
 
+    def release_embeddings(self) -> None:
+        """Free the input embeddings (every batch is captured; at DeepSeek-V3's vocabulary they are 1.8 GB in
+        bf16): :meth:`capture` and a tied :meth:`load_head` read them again."""
+        emb = self.model.get_input_embeddings()
+        if not emb.weight.is_meta:
+            emb.weight = nn.Parameter(torch.empty_like(emb.weight, device="meta"), requires_grad=False)
+
+    def _embeddings(self) -> nn.Module:
+        emb = self.model.get_input_embeddings()
+        if emb.weight.is_meta:
+            name = next(n for n, p in self.model.named_parameters(remove_duplicate=False) if p is emb.weight)
+            self._load_globals(lambda k: k == name)
+        return emb
+
     def load_head(self) -> None:
         """Materialise the final norm and the LM head (tied to the embeddings if the config says so)."""
         self._load_globals(lambda k: k.startswith("lm_head") or ".norm." in f".{k}")
@@ -141,11 +202,12 @@ class Skeleton:
         if head.weight.is_meta:
             if not getattr(self.model.config, "tie_word_embeddings", False):
                 raise CheckpointError("the checkpoint has no lm_head.weight and tie_word_embeddings is false")
-            head.weight = self.model.get_input_embeddings().weight
+            head.weight = self._embeddings().weight
 
     def capture(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
         """Embedding output and every decoder layer's call arguments for one batch."""
         n = len(self.meta_layers)
+        self._embeddings()
         sink: dict = {}
         for i in range(n):
             self.layers[i] = _Catcher(i, sink, last=i == n - 1)
@@ -162,14 +224,16 @@ class Skeleton:
         return sink["hidden"], [sink[i] for i in range(n)]
 
     # -- layers ----------------------------------------------------------------------------------
-    def layer(self, i: int, moe: MoELayer | None = None, observer=None) -> nn.Module:
-        """Decoder layer ``i`` with real weights; its MoE block replaced by ``moe`` if given."""
+    def layer(self, i: int, moe: MoELayer | None = None, observer=None, block: nn.Module | None = None) -> nn.Module:
+        """Decoder layer ``i`` with real weights; its MoE block replaced by ``moe`` if given (or by the
+        module ``block``, whose MoE tensors are then not read: the chunked calibration's recorder)."""
         adapter = self.ckpt.adapter
         mod = copy.deepcopy(self.meta_layers[i])
         owned: set[str] = set()
         if moe is not None:
             moe = layer_to(cast_layer(moe, self.dtype), self.device)
             block = InstrumentedMoE(moe, observer, adapter.module_returns_tuple)
+        if block is not None:
             setattr(mod, adapter.module_attr, block)
             owned = set(self.ckpt.moe_keys(i))
         keys = [k for k in self._layer_keys[i] if k not in owned]

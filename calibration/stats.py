@@ -170,6 +170,23 @@ class StatsCollector:
         elif self.mode == "backward" and out.requires_grad and "out_grad_cov" in self.names:
             out.register_hook(self._on_grad_out)
 
+    # -- expert-chunked calibration (calibration/chunked.py) -----------------------------------
+    def batch_state(self) -> tuple:
+        """What :meth:`on_input` and :meth:`on_route` set for the batch just seen (its token offset, ids
+        and weights): the chunked forward visits every batch once per chunk of experts."""
+        return self._off, self._ids, self._weights
+
+    def resume_batch(self, state: tuple, x: torch.Tensor) -> None:
+        """Return to a batch of :meth:`batch_state` whose MoE input is ``x`` (no statistic is added)."""
+        self._off, self._ids, self._weights = state
+        self._x = x
+
+    def on_output_grad(self, g: torch.Tensor) -> None:
+        """The gradient ``g`` w.r.t. the MoE output of one batch (what the hook of :meth:`on_output` sees
+        in the whole-layer backward)."""
+        if self.mode == "backward" and "out_grad_cov" in self.names:
+            self._on_grad_out(g)
+
     # -- route_attrib (calibration/trace.py) ------------------------------------------------------
     def _trace_input(self, x: torch.Tensor) -> None:
         if self._attr is None:

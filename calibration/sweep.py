@@ -10,13 +10,16 @@ next-token NLL over the calibration set, held-back sequences excluded) gives the
 then the layers are walked in reverse: materialise, recompute with grad, back-propagate the incoming
 gradient, record gradient statistics, pass the input gradient down, free. Memory stays at one layer
 plus activations; nothing needs the whole model.
+
+MoE layers listed in ``expert_chunks`` are never held whole: :mod:`moecompress.calibration.chunked` runs
+them (both sweeps) with their shell and one chunk of experts at a time, with the same statistics.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +28,20 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
-from moecompress.calibration.skeleton import Skeleton
+from moecompress.calibration.skeleton import Skeleton, check_finite, run_batch, to_device
 from moecompress.calibration.stats import StatsCollector
 from moecompress.calibration.trace import RoutingTrace
-from moecompress.errors import CheckpointError
+from moecompress.errors import CheckpointError, RecipeError
 from moecompress.ir import MoELayer
 
 log = logging.getLogger(__name__)
 
 OFFLOAD_AUTO_BYTES = 2 * 1024**3
+
+PROPAGATE_CHUNKED = (
+    "calibration.propagate: compressed compresses each MoE layer whole during calibration, which expert_chunk "
+    "splits into chunks of experts; use propagate: original or expert_chunk: off"
+)
 
 
 @dataclass
@@ -87,52 +95,12 @@ class _InputStore:
             self._dir.cleanup()
 
 
-def check_finite(layer: MoELayer) -> None:
-    """:class:`CheckpointError` naming the layer, projection and expert of the first NaN/Inf weight of
-    the MoE block (found before it poisons every later layer's statistics)."""
-    for bank_name, bank in (("expert", layer.experts), ("shared expert", layer.shared)):
-        if bank is None:
-            continue
-        for proj in ("gate", "up", "down"):
-            for name, t in getattr(bank, proj).tensors().items():
-                if not t.is_floating_point() or bool(torch.isfinite(t).all()):
-                    continue
-                bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(1) if t.dim() == 3 else None
-                which = f" {int(bad.nonzero()[0])}" if bad is not None and bank_name == "expert" else ""
-                raise CheckpointError(
-                    f"layer {layer.index}: {bank_name}{which} {proj}_proj ({name}) holds NaN/Inf weights; the "
-                    "checkpoint is damaged: re-download or re-export it"
-                )
-    for name in ("router_weight", "router_bias", "score_bias", "shared_gate"):
-        t = getattr(layer, name)
-        if t is not None and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"layer {layer.index}: the router's {name} holds NaN/Inf; the checkpoint is damaged")
-
-
 def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
     if not all(bool(torch.isfinite(o if isinstance(o, torch.Tensor) else o[0]).all()) for o in outs):
         raise CheckpointError(
             f"decoder layer {i}: its output holds NaN/Inf (its attention or norm weights, or its inputs, are "
             "not finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
         )
-
-
-def to_device(obj, device: torch.device):
-    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``: the
-    activations stay on the host and visit the compute device one batch at a time."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _run(mod, x: torch.Tensor, args: tuple, kw: dict, device: torch.device):
-    """One batch through a materialised decoder layer on ``device``; the output back on the host (on the
-    CPU every move is a no-op)."""
-    return to_device(mod(x.to(device), *to_device(args, device), **to_device(kw, device)), torch.device("cpu"))
 
 
 OnLayer = Callable[[int, MoELayer, dict[str, torch.Tensor]], "MoELayer | None"]
@@ -150,12 +118,21 @@ def run_calibration(
     save_backward: Callable[[int, dict[str, torch.Tensor]], None],
     on_layer: OnLayer | None = None,
     progress: bool = True,
+    expert_chunks: Mapping[int, int] | None = None,
 ) -> dict:
-    """Run the sweep(s); statistics are handed to ``save_*`` layer by layer. Returns a summary."""
+    """Run the sweep(s); statistics are handed to ``save_*`` layer by layer. Returns a summary.
+    ``expert_chunks``: MoE layer -> experts per chunk, the layers run by chunks of experts
+    (:mod:`moecompress.calibration.chunked`; the others are held whole)."""
+    from moecompress.calibration import chunked  # it builds on this module's helpers
+
     ckpt = skel.ckpt
     moe_layers = set(ckpt.moe_layer_indices)
+    chunks = {i: n for i, n in (expert_chunks or {}).items() if i in moe_layers}
+    if chunks and on_layer is not None:
+        raise RecipeError(PROPAGATE_CHUNKED)
     backward = backward_needed(set(needs))
     captured = [skel.capture(ids) for ids in batches.ids]
+    skel.release_embeddings()
     hidden = [h for h, _ in captured]
     kwargs = [kw for _, kw in captured]
     del captured
@@ -175,6 +152,15 @@ def run_calibration(
         for i in tqdm(range(n_layers), desc="calibrate (forward)", unit="layer", disable=not progress):
             if store is not None:
                 store.put(i, hidden)
+            if i in chunks:
+                outs, col = chunked.forward_layer(skel, i, chunks[i], hidden, kwargs, batches.holdout, needs,
+                                                  sample_tokens, keep_inputs=trace is not None)  # fmt: skip
+                _check_outputs(i, outs)
+                if trace is not None:
+                    trace.after_layer(i, hidden, outs, batches.holdout, col)
+                save_forward(i, col.result())
+                hidden, col = outs, None
+                continue
             moe = ckpt.read_layer(i) if i in moe_layers else None
             if moe is not None:
                 check_finite(moe)
@@ -186,7 +172,7 @@ def run_calibration(
                     if col is not None:
                         col.mode = "holdout" if batches.holdout[b] else "stats"
                     args, kw = kwargs[b][i]
-                    outs.append(_run(mod, x, args, kw, skel.device))
+                    outs.append(run_batch(mod, x, args, kw, skel.device))
             del mod
             _check_outputs(i, outs)
             if trace is not None:
@@ -198,7 +184,7 @@ def run_calibration(
                 if replacement is not None:
                     with torch.no_grad():
                         mod = skel.layer(i, replacement, None)
-                        outs = [_run(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(hidden)]
+                        outs = [run_batch(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(hidden)]
                         del mod
                 del replacement, stats
             # drop every reference to this layer before the next one is read: peak = one layer
@@ -206,14 +192,16 @@ def run_calibration(
             hidden = outs
         loss = None
         if store is not None:
-            loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress)
+            loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks)
     finally:
         if store is not None:
             store.close()
     return {"batches": len(batches.ids), "backward": backward, "loss": loss, "activation_bytes": act_bytes}
 
 
-def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress) -> float:
+def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks) -> float:
+    from moecompress.calibration import chunked
+
     ckpt = skel.ckpt
     moe_layers = set(ckpt.moe_layer_indices)
     skel.load_head()
@@ -234,6 +222,10 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
         disable=not progress,
     ):
         inputs = store.get(i)
+        if i in chunks:
+            save_backward(i, chunked.backward_layer(skel, i, chunks[i], inputs, kwargs, grads, needs).result())
+            inputs = None
+            continue
         moe = ckpt.read_layer(i) if i in moe_layers else None
         col = StatsCollector(moe, needs) if moe is not None else None
         if col is not None:

@@ -64,6 +64,11 @@ def route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return ids, w
 
 
+def route_logits(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits [T, E], ids [T, k], weights [T, k])``: :func:`route` with the router logits."""
+    return _route(layer, x)
+
+
 def _route(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = layer.router
     logits = router_logits(layer, x)
@@ -171,15 +176,29 @@ def moe_forward(layer: MoELayer, x: torch.Tensor, observer: Observer | None = No
         observer.on_route(logits, ids, weights)
     out = experts_forward(layer.experts, x, ids, weights, layer.expert_map, observer)
     if layer.shared is not None:
-        seen: list[torch.Tensor] = []
-        s = expert_forward(layer.shared, 0, x, None if observer is None else seen.append)
-        if observer is not None:
-            observer.on_shared(seen[0], s)
-        s = s.float()
-        if layer.shared_gate is not None:
-            s = s * torch.sigmoid(F.linear(x.float(), layer.shared_gate.float()))
-        out = out + s
+        out = out + shared_forward(layer, x, observer)
     return out.to(x.dtype)
+
+
+def shared_forward(layer: MoELayer, x: torch.Tensor, observer: Observer | None = None) -> torch.Tensor:
+    """The shared expert's output ``[T, H]`` in fp32, gated when the layer has a ``shared_gate``."""
+    assert layer.shared is not None
+    seen: list[torch.Tensor] = []
+    s = expert_forward(layer.shared, 0, x, None if observer is None else seen.append)
+    if observer is not None:
+        observer.on_shared(seen[0], s)
+    s = s.float()
+    if layer.shared_gate is not None:
+        s = s * torch.sigmoid(F.linear(x.float(), layer.shared_gate.float()))
+    return s
+
+
+def physical_ids(ids: torch.Tensor, n_logical: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Physical expert of each routing slot (``-1``: a routing policy's dropped slot, an id past the last
+    logical expert, transformers' convention ``id == E``)."""
+    dropped = ids >= n_logical
+    phys = ids if expert_map is None else expert_map.to(ids.device)[ids.clamp(max=n_logical - 1)]
+    return phys.masked_fill(dropped, -1)
 
 
 def experts_forward(
@@ -198,19 +217,39 @@ def experts_forward(
     token: the gate/up input transform before the loop, the down output transform after the weighted
     sum (``decode`` is linear)."""
     n_logical = bank.num_experts if expert_map is None else expert_map.numel()
-    dropped = ids >= n_logical  # a routing policy's dropped slot (transformers' convention: id == E)
-    phys = ids if expert_map is None else expert_map.to(ids.device)[ids.clamp(max=n_logical - 1)]
-    phys = phys.masked_fill(dropped, -1)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc: dict[str, torch.Tensor] = {}
+    expert_partials(bank, x, physical_ids(ids, n_logical, expert_map), weights, out, acc, observer)
+    for space, value in acc.items():
+        out += bank.down.decode(space, value).float()
+    return out
+
+
+def expert_partials(
+    bank: ExpertBank,
+    x: torch.Tensor,
+    phys: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    acc: dict[str, torch.Tensor],
+    observer: Observer | None = None,
+    first: int = 0,
+) -> None:
+    """Add the weighted partials of the experts of ``bank`` to ``acc`` (per layout space, decoded by the
+    caller) and their down biases outside the output space to ``out``. ``bank`` holds physical experts
+    ``[first, first + bank.num_experts)`` of the layer (a chunk of experts: ``phys`` are the layer's
+    physical ids of :func:`physical_ids`; slots of other experts are skipped). Called chunk after chunk
+    on the same ``out`` and ``acc``, the sums are those of one call on the whole bank, bit for bit."""
+    n = bank.num_experts
     xin = bank_input(bank, x)
     ctx = {False: (bank.gate.encode(xin), bank.up.encode(xin))}
     if bank.unrotated:
         ctx[True] = (bank.gate.encode(x), bank.up.encode(x)) if xin is not x else ctx[False]
-    acc: dict[str, torch.Tensor] = {}
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for p in torch.unique(phys).tolist():
-        if p < 0:
+    for q in torch.unique(phys).tolist():
+        p = q - first
+        if not 0 <= p < n:
             continue
-        tok, slot = torch.where(phys == p)
+        tok, slot = torch.where(phys == q)
         cut = _cut(bank, p)
         ctx_g, ctx_u = ctx[p in bank.unrotated]
         g = bank.gate.decode(*bank.gate.partial(ctx_g, p, tok, rows=cut))
@@ -231,7 +270,4 @@ def experts_forward(
         if observer is not None:
             y = bank.down.decode(space, mid)
             y = y + bias[p] if bias is not None and space != "out" else y
-            observer.on_expert(p, tok, slot, _logical(bank, h), y)
-    for space, value in acc.items():
-        out += bank.down.decode(space, value).float()
-    return out
+            observer.on_expert(q, tok, slot, _logical(bank, h), y)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -284,3 +285,49 @@ def test_batched_kmeans_sorted_assignment_is_nearest_and_results_do_not_depend_o
     for r in range(len(v)):  # every centroid is the mean of its values (Lloyd's fixed point)
         for k in codes[r].unique():
             assert torch.allclose(cents[r, k], v[r][codes[r] == k].double().mean().float(), atol=1e-6)
+
+
+def test_learned_rotation_equals_the_torch_parametrisation_it_replaced():
+    """``learn_rotation`` forms only ``x Wᵀ`` of the Cayley-parametrised ``W`` (no ``H × H`` solve with
+    ``H`` right-hand sides): with no step it returns the reference's rotation bit for bit, its first loss
+    is the reference's exactly, and 40 Adam steps follow the same trajectory to float32 rounding (Adam
+    amplifies rounding in the near-zero gradients, hence the tolerances) to an equally good rotation."""
+    from moecompress.methods.rotation import learn_rotation_reference
+
+    g = torch.Generator().manual_seed(3)
+    h = 32
+    x = torch.randn(400, h, generator=g) * torch.rand(h, generator=g) * 3
+    x[:, 5] *= 25  # an outlier channel, as rotations are for
+    r0 = hadamard(h, 7)
+    r_new, _ = learn_rotation(x, steps=0, init=r0)
+    r_ref, _ = learn_rotation_reference(x, steps=0, init=r0)
+    assert torch.equal(r_new, r_ref)
+    r_new, l_new = learn_rotation(x, steps=40, lr=2e-3, init=r0, seed=1)
+    r_ref, l_ref = learn_rotation_reference(x, steps=40, lr=2e-3, init=r0, seed=1)
+    assert l_new[0] == l_ref[0]
+    assert max(abs(a - b) / b for a, b in zip(l_new, l_ref)) < 5e-3
+    assert l_new[-1] < 0.9 * l_new[0]  # it learns
+    assert float((r_new - r_ref).abs().max()) < 2e-2
+    assert torch.allclose(r_new.T @ r_new, torch.eye(h, dtype=torch.float64), atol=1e-12)
+    assert abs(quant_error(x.double() @ r_new, 4) - quant_error(x.double() @ r_ref, 4)) < 5e-3 * quant_error(
+        x.double() @ r_ref, 4
+    )
+
+
+def test_dry_run_counts_the_fine_tuning_workspace(tiny_qwen, tmp_path):
+    """The step estimate holds 40 bytes per quantised weight (float32 weights, int64 codes twice, sorted
+    rows, decoded weights and their gradient) and the rotated gate/up, not just the input and output."""
+    from moecompress.passes.codequant import WORKSPACE_BYTES_PER_WEIGHT
+
+    rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "steps": [{"codequant": {"bits": 4}}],
+           "calibration": {"source": "random", "samples": 4, "seq_len": 8, "cache_dir": str(tmp_path / "c")}}  # fmt: skip
+    dry = mc.apply(rec, dry_run=True, progress=False).report["dry_run"]
+    est = next(iter(dry["step_memory"].values()))
+    from moecompress.engine.dry_run import meta_layer
+    from moecompress.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_qwen)
+    bank = meta_layer(ckpt, ckpt.moe_layer_indices[0]).experts
+    weights = sum(math.prod(getattr(bank, n).shape) for n in ("gate", "up", "down"))
+    assert est["workspace_bytes"] >= WORKSPACE_BYTES_PER_WEIGHT * weights
+    assert est["bytes"] >= est["input_bytes"] + est["workspace_bytes"]

@@ -14,7 +14,7 @@ from test_lean import _banks
 from tiny import save_tiny
 
 import moecompress as mc
-from moecompress.calibration.sweep import to_device
+from moecompress.calibration.skeleton import to_device
 from moecompress.engine.context import resolve_device
 from moecompress.errors import RecipeError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec, layer_to

@@ -190,13 +190,15 @@ def test_expert_prune_keeps_the_rest_quantised_and_loads(ckpts, tmp_path, fmt):
     for k, v in a.items():  # everything outside the rewritten MoE blocks: the same bytes
         if k not in moe:
             assert torch.equal(v.view(torch.uint8), b[k].view(torch.uint8)), k
-    assert b[dense].dtype == torch.float32 and packed not in b
+    # the kept experts stay in their on-disk encoding (renumbered), so the output is smaller than the input
+    assert packed in b and b[packed].dtype == a[packed].dtype and (fmt == "mxfp4" or b[dense].dtype == torch.float8_e4m3fn)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg[count_key] == count
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == fmt and skip in qc["modules_to_not_convert"]
-    ckpt = mc.open_checkpoint(out)  # our reader: the rest dequantised again, the pruned layers dense
-    assert not any(".experts." in n for n in ckpt.reader.quantized)
+    assert qc["quant_method"] == fmt and skip not in (qc.get("modules_to_not_convert") or [])
+    ckpt = mc.open_checkpoint(out)  # our reader: everything dequantised again
+    assert any(".experts." in n for n in ckpt.reader.quantized)
+    assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < sum(f.stat().st_size for f in src.glob("*.safetensors"))
     model = mc.load(out)  # through transformers' own quantizer (it dequantises on CPU)
     for i in ckpt.moe_layer_indices:
         x = torch.randn(11, ckpt.adapter.hidden_size)
@@ -204,7 +206,9 @@ def test_expert_prune_keeps_the_rest_quantised_and_loads(ckpts, tmp_path, fmt):
             want = mc.moe_forward(ckpt.read_layer(i), x)
             got = model.model.layers[i].mlp(x[None])
             got = (got[0] if isinstance(got, tuple) else got)[0]
-        assert float((got - want).abs().max() / want.abs().max()) <= TOL
+        # transformers' FP8 layers also quantise their activations (activation_scheme: dynamic), so a kept
+        # FP8 expert agrees only to that precision (the input checkpoint loaded the same way: 0.1-0.2)
+        assert float((got - want).abs().max() / want.abs().max()) <= (TOL if fmt == "mxfp4" else 0.35)
 
 
 def test_calibration_analyze_on_fp8_equals_the_dequantised_model(ckpts, tmp_path):

@@ -260,3 +260,26 @@ def test_the_pass_stores_what_from_dense_stores_and_its_errors_match_the_decoded
     exact = torch.stack([dequantize(*t, 4) for t in q])
     want_errs = ((exact - w[ids].float()).flatten(1).norm(dim=1) / w[ids].float().flatten(1).norm(dim=1)).tolist()
     assert errs == want_errs and dec.shape == exact.shape
+
+
+@pytest.mark.parametrize(("bits", "gs", "symmetric"), [(4, 16, False), (4, 16, True), (2, 8, False), (3, 16, False),
+                                                      (8, -1, True), (4, -1, False)])  # fmt: skip
+def test_quantize_with_error_equals_quantize_then_dequantize(bits, gs, symmetric):
+    """The one-pass quantiser of the rtn pass: codes, scales, zeros bit for bit those of ``quantize`` and
+    the per-expert error that of ``dequantize``; ``pack_codes`` the bytes of ``pack_bits``."""
+    from moecompress.layouts.bitpack import pack_bits
+    from moecompress.methods.scalar_quant import dequantize, pack_codes, quantize_with_error
+
+    g = torch.Generator().manual_seed(bits)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = (0.05 * torch.randn(5, 12, 48, generator=g)).to(dtype)
+        w[1, 3] = 0  # an all-zero row: scale 0
+        q, s, z = quantize(w, bits, gs, symmetric)
+        q2, s2, z2, err = quantize_with_error(w, bits, gs, symmetric)
+        assert torch.equal(q, q2) and torch.equal(s, s2) and ((z is None and z2 is None) or torch.equal(z, z2))
+        ref = w.float()
+        want = (dequantize(q, s, z, bits) - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-30)
+        assert torch.equal(err, want)
+        assert torch.equal(pack_codes(q2, bits), pack_bits(q, bits))
+    odd = torch.randint(0, 4, (3, 7), dtype=torch.uint8, generator=g)  # rows that do not fill whole bytes
+    assert torch.equal(pack_codes(odd, 2), pack_bits(odd, 2))

@@ -17,6 +17,7 @@ Writing uses the hub form unless ``fused=True`` is asked for.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import ClassVar
@@ -28,6 +29,9 @@ from moecompress.ir import ExpertBank, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 
 Fetch = Callable[[Iterable[str]], dict[str, torch.Tensor]]
+Rows = Callable[[str, int, int], torch.Tensor]
+"""``rows(name, start, stop)``: rows ``start:stop`` of the first dimension of tensor ``name`` (only those
+bytes are read: experts of a fused ``[E, ...]`` tensor)."""
 
 
 class Adapter(ABC):
@@ -94,6 +98,11 @@ class Adapter(ABC):
     @abstractmethod
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
         """Canonical layer ``i`` from tensors fetched with ``get`` (on-disk form ``fmt``)."""
+
+    @abstractmethod
+    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
+        """Routed experts ``[start, stop)`` of layer ``i`` as a bank of ``stop - start`` experts: per-expert
+        tensors through ``get``, fused ``[E, ...]`` ones through ``rows`` (only those experts' bytes)."""
 
     @abstractmethod
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
@@ -183,8 +192,56 @@ class Adapter(ABC):
 
         return self.build_layer(i, get, self.detect_format(i, keys))
 
+    def read_experts(
+        self, i: int, keys: Iterable[str], fetch: Fetch, rows: Rows, start: int, stop: int
+    ) -> ExpertBank:
+        """Routed experts ``[start, stop)`` of MoE layer ``i`` (what an expert-chunked run holds at once);
+        equal to ``read_layer(...).experts`` restricted to those experts, bit for bit."""
+        keys = list(keys)
+        if not 0 <= start < stop <= self.num_experts:
+            raise AdapterError(
+                f"{self.model_type} layer {i}: expert range [{start}, {stop}) is outside 0..{self.num_experts}"
+            )
+        _, expected = self.expected_tensors(i, keys)
+
+        def check(key: str, t: torch.Tensor, want: tuple[int, ...]) -> torch.Tensor:
+            if tuple(t.shape) != tuple(want):
+                raise AdapterError(f"{self.model_type} layer {i}: {key!r} shape {list(t.shape)} != {list(want)}")
+            return t
+
+        def get(names: Iterable[str]) -> dict[str, torch.Tensor]:
+            return {k: check(k, t, expected[k]) for k, t in fetch(list(names)).items()}
+
+        def part(name: str, a: int, b: int) -> torch.Tensor:
+            return check(name, rows(name, a, b), (b - a, *expected[name][1:]))
+
+        return self.build_experts(i, get, part, self.detect_format(i, keys), start, stop)
+
+    def expert_keys(self, i: int, keys: Iterable[str]) -> list[str]:
+        """The on-disk names of layer ``i``'s routed experts (its MoE tensors less the router and shared
+        parts): what an expert-chunked run reads in pieces."""
+        keys = list(keys)
+        fmt = self.detect_format(i, keys)
+        _, expected = self.expected_tensors(i, keys)
+        other = set(self.router_keys(i, fmt))
+        return [k for k in expected if k not in other]
+
     def detect_format(self, i: int, keys: Iterable[str]) -> str:
         return "hub"
+
+    def expert_of(self, key: str) -> int | None:
+        """The routed expert an on-disk per-expert tensor name belongs to (``...experts.<e>.<proj>...``),
+        ``None`` for a name of no single expert (a fused ``[E, ...]`` tensor, the router)."""
+        m = _EXPERT_KEY.search(key)
+        return None if m is None else int(m.group(1))
+
+    def renumber_key(self, key: str, expert: int) -> str:
+        """A per-expert tensor name (:meth:`expert_of`) for expert id ``expert`` (experts removed or
+        written chunk by chunk)."""
+        return _EXPERT_KEY.sub(f".experts.{expert}.", key, count=1)
+
+
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 
 def dense3(layout, what: str):
@@ -260,26 +317,28 @@ class PerExpertAdapter(Adapter):
         return self._expected(i, self.detect_format(i, keys))
 
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
+        bank = self.build_experts(i, get, lambda name, a, b: get([name])[name][a:b], fmt, 0, self.num_experts)
+        t = get(self.router_keys(i, fmt))
+        return MoELayer(index=i, experts=bank, **self.router_part(i, t, fmt))
+
+    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
         p, _ = self._names(i, fmt)
         g, u, d = self.proj
         n = self.expert_width
         if fmt == "fused":
-            gu = get([f"{p}.experts.gate_up_proj"]).popitem()[1]
+            gu = rows(f"{p}.experts.gate_up_proj", start, stop)
             gate, up = gu[:, :n].contiguous(), gu[:, n:].contiguous()
             del gu
-            down = get([f"{p}.experts.down_proj"]).popitem()[1]
+            down = rows(f"{p}.experts.down_proj", start, stop)
         else:
 
             def stack(name: str) -> torch.Tensor:  # one projection at a time bounds the transient peak
-                names = [f"{p}.experts.{x}.{name}.weight" for x in range(self.num_experts)]
+                names = [f"{p}.experts.{x}.{name}.weight" for x in range(start, stop)]
                 per_expert = get(names)
                 return torch.stack([per_expert.pop(k) for k in names])
 
             gate, up, down = stack(g), stack(u), stack(d)
-        t = get(self.router_keys(i, fmt))
-        return MoELayer(
-            index=i, experts=ExpertBank(Dense(gate), Dense(up), Dense(down)), **self.router_part(i, t, fmt)
-        )
+        return ExpertBank(Dense(gate), Dense(up), Dense(down))
 
     def shared_key(self, i: int) -> str | None:
         return f"{self.layer_prefix(i)}{self.module_attr}.{self.shared_name}" if self.shared_name else None

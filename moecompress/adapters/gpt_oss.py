@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from moecompress.adapters.base import Adapter, Fetch, dense3, require_stock
+from moecompress.adapters.base import Adapter, Fetch, Rows, dense3, require_stock
 from moecompress.errors import LayoutError
 from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
@@ -58,25 +58,28 @@ class GptOssAdapter(Adapter):
         }
 
     def build_layer(self, i: int, get: Fetch, fmt: str) -> MoELayer:
+        bank = self.build_experts(i, get, lambda name, a, b: get([name])[name][a:b], fmt, 0, self.num_experts)
+        return MoELayer(index=i, experts=bank, **self.router_part(i, get(self.router_keys(i))))
+
+    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
         p = self._p(i)
-        _, expected = self.expected_tensors(i, ())
-        t = get(expected)
-        gu = t.pop(f"{p}.experts.gate_up_proj")
-        gu_b = t.pop(f"{p}.experts.gate_up_proj_bias")
-        bank = ExpertBank(
-            gate=Dense(gu[..., 0::2].transpose(1, 2).contiguous()),
-            up=Dense(gu[..., 1::2].transpose(1, 2).contiguous()),
-            down=Dense(t.pop(f"{p}.experts.down_proj").transpose(1, 2).contiguous()),
+        gu = rows(f"{p}.experts.gate_up_proj", start, stop)
+        gu_b = rows(f"{p}.experts.gate_up_proj_bias", start, stop)
+        gate, up = gu[..., 0::2].transpose(1, 2).contiguous(), gu[..., 1::2].transpose(1, 2).contiguous()
+        del gu
+        return ExpertBank(
+            gate=Dense(gate),
+            up=Dense(up),
+            down=Dense(rows(f"{p}.experts.down_proj", start, stop).transpose(1, 2).contiguous()),
             biases={
                 "gate": gu_b[:, 0::2].contiguous(),
                 "up": gu_b[:, 1::2].contiguous(),
-                "down": t.pop(f"{p}.experts.down_proj_bias"),
+                "down": rows(f"{p}.experts.down_proj_bias", start, stop),
             },
             act=Act.SWIGLU_CLAMPED,
             alpha=float(self.config.swiglu_alpha),
             limit=float(self.config.swiglu_limit),
         )
-        return MoELayer(index=i, experts=bank, **self.router_part(i, t))
 
     def router_tensors(
         self, layer: MoELayer, *, fused: bool = False, shared: bool = True

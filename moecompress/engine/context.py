@@ -6,7 +6,8 @@ and hands it to what needs it; environment variables are read only in ``cli.py``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,20 +19,28 @@ from moecompress.io.checkpoint import Checkpoint
 @dataclass(frozen=True)
 class RunContext:
     """``dtype``: compute dtype of calibration and of the reconstruction errors; ``device``: where
-    they run; ``seed``: the calibration seed; ``progress``: whether to show progress bars."""
+    they run; ``seed``: the calibration seed; ``progress``: whether to show progress bars;
+    ``expert_chunks``: MoE layer index -> experts per chunk, for the layers read, calibrated, compressed
+    and written by chunks of experts (a layer not listed is held whole; the dry run's ``expert_chunk``)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
+    expert_chunks: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
-    def for_recipe(cls, recipe: Recipe, ckpt: Checkpoint, *, progress: bool = True) -> RunContext:
+    def for_recipe(
+        cls, recipe: Recipe, ckpt: Checkpoint, *, progress: bool = True, plan: Mapping | None = None
+    ) -> RunContext:
+        """The context of ``recipe`` on ``ckpt``; ``plan``: its dry run, whose ``expert_chunk`` lists the
+        layers held by chunks (without one, every layer is held whole)."""
         return cls(
             dtype=compute_dtype(recipe, ckpt),
             device=resolve_device(recipe.calibration.device),
             seed=recipe.calibration.seed,
             progress=progress,
+            expert_chunks={int(i): int(n) for i, n in ((plan or {}).get("expert_chunk") or {}).items()},
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
-from moecompress.engine import resources, segments
+from moecompress.engine import chunk_plan, resources, segments
 from moecompress.engine.context import compute_dtype, resolve_device
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
@@ -73,6 +73,26 @@ def _check_propagation(recipe: Recipe, needs: set[str]) -> None:
         raise RecipeError(f"calibration.propagate: 'compressed' cannot be combined with cross-layer plans ({planned})")
 
 
+def check_data_free(recipe: Recipe) -> None:
+    """``calibration.source: none``: refuse, in one line naming the step and the statistic, a step that
+    needs statistics (or a training stage without its own ``data``)."""
+    if not recipe.calibration.data_free:
+        return
+    for step in recipe.steps:
+        needs = sorted(step.needs)
+        if needs:
+            more = f" (and {len(needs) - 1} more: {', '.join(needs[1:])})" if len(needs) > 1 else ""
+            raise RecipeError(
+                f"calibration.source: none, but {step.label} needs the statistic {needs[0]!r}{more}, which only "
+                "calibration gives; use a calibration source (builtin, file:PATH, hf:NAME, random) or remove the step"
+            )
+        if step.spec.stage is not None and getattr(step.config, "data", None) is None:
+            raise RecipeError(
+                f"calibration.source: none, but {step.label} trains on calibration text; give the step its own "
+                "'data' source or use a calibration source (builtin, file:PATH, hf:NAME, random)"
+            )
+
+
 def chain(recipe: Recipe, layer: MoELayer) -> list[MoELayer]:
     """Every step's check on the layer the earlier steps emit; returns the emitted layers (one per
     step). Raises :class:`PassError` naming the step and the layer."""
@@ -99,7 +119,9 @@ def _stat_dims(recipe: Recipe, layer: MoELayer) -> dict[str, int]:
 def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     """Check the recipe on shapes; raise before any weight or token is touched. Returns the plan: the
     statistics to collect and the estimated bytes of each step's output."""
-    needs = set(recipe.needs) | ALWAYS
+    check_data_free(recipe)
+    c = recipe.calibration
+    needs = set() if c.data_free else set(recipe.needs) | ALWAYS
     check_extras(recipe)
     device = resolve_device(recipe.calibration.device)
     _check_propagation(recipe, needs)
@@ -116,11 +138,15 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     emitted = [s for s in recipe.steps if not s.spec.report_only]
     written = emitted if recipe.emit == "every_step" else emitted[-1:]
     nonstock: tuple[str, int] | None = None
+    chunked = chunk_plan.fixed_chunks(recipe, ckpt)
+    limit = chunk_plan.memory_limit(recipe) if recipe.expert_chunk == "auto" else None
+    cap = chunk_plan.calibration_cap(recipe, ckpt, compute_dtype(recipe, ckpt), limit) if limit is not None else None
     for i in ckpt.moe_layer_indices:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
         stats = resources.stat_bytes(needs, _stat_dims(recipe, layer))
         before = layer
+        entries = []
         for n, out in enumerate(chain(recipe, layer)):
             moe_out[n] += out.nbytes()
             step = recipe.steps[n]
@@ -128,14 +154,35 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
                 nonstock = (step.label, i)  # on a quantised input: write dequantised, or refuse (keep)
             work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
             peak = resources.step_peak(before, out, dtype, stats, work, first=n == 0, written=step in written)
-            if peak > step_memory.get(step.label, {}).get("bytes", -1):
-                step_memory[step.label] = {"bytes": peak, "layer": i, "input_bytes": before.nbytes(),
-                                           "output_bytes": out.nbytes(), "workspace_bytes": work,
-                                           "stats_bytes": stats}  # fmt: skip
+            entries.append({"bytes": peak, "layer": i, "input_bytes": before.nbytes(), "output_bytes": out.nbytes(),
+                            "workspace_bytes": work, "stats_bytes": stats})  # fmt: skip
             before = out
-    in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)
+        whole = max((e["bytes"] for e in entries), default=0)
+        if limit is not None:  # expert_chunk: auto, chunks for a layer that does not fit whole
+            size = chunk_plan.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit)
+            if size is not None:
+                chunked[i] = size
+            if cap is not None and cap < layer.experts.num_experts and chunk_plan.chunkable(recipe, ckpt, i):
+                chunked[i] = min(chunked.get(i, cap), cap)  # calibration holds a chunk too
+        if i in chunked:
+            chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit)
+            peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written)
+            for e, p in zip(entries, peaks):
+                e.update(bytes=p, chunk=chunked[i])
+        blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s) is not None), None)
+        for step, e in zip(recipe.steps, entries):
+            if blocked is not None:
+                e["whole_because"] = blocked  # a step that cannot run by chunks holds the layer whole
+            if e["bytes"] > step_memory.get(step.label, {}).get("bytes", -1):
+                step_memory[step.label] = e
+    in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)  # in memory (dequantised)
+    dequantize = dequantized_output(ckpt, recipe.quantized_input, nonstock)
+    rest, scale = in_bytes - moe_in, 1.0  # on disk: what no step rewrites, and bytes per logical MoE byte
+    if ckpt.quantization and not dequantize:  # written in the input's encoding: its bytes, not the logical ones
+        raw_moe = sum(ckpt.raw.nbytes(k) for i in ckpt.moe_layer_indices for k in ckpt.raw_moe_keys(i))
+        rest, scale = sum(ckpt.raw.nbytes(k) for k in ckpt.raw.keys) - raw_moe, raw_moe / max(moe_in, 1)
     plan = {
-        **resources.estimate(recipe, ckpt, compute_dtype(recipe, ckpt)),
+        **resources.estimate(recipe, ckpt, compute_dtype(recipe, ckpt), chunks=chunked),
         "written_steps": [s.label for s in written],
         "model_type": ckpt.model_type,
         "device": device,
@@ -146,10 +193,14 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         "input_bytes": in_bytes,
         "checkpoints": len(emitted) if recipe.emit == "every_step" else min(len(emitted), 1),
         "estimated_output_bytes": {
-            s.label: in_bytes - moe_in + moe_out[n] for n, s in enumerate(recipe.steps) if not s.spec.report_only
+            s.label: rest + int(moe_out[n] * scale)
+            for n, s in enumerate(recipe.steps)
+            if not s.spec.report_only
         },
-        "calibration_tokens": recipe.calibration.samples * recipe.calibration.seq_len,
+        "calibration_tokens": 0 if c.data_free else c.samples * c.seq_len,
+        "data_free_steps": not recipe.needs and not segments.has_stages(recipe),  # source: none could skip calibration
         "step_memory": step_memory,
-        "dequantize_output": dequantized_output(ckpt, recipe.quantized_input, nonstock),
+        "expert_chunk": {str(i): n for i, n in sorted(chunked.items())},
+        "dequantize_output": dequantize,
     }
     return {**plan, **segments.stage_plan(recipe, ckpt, plan)} if segments.has_stages(recipe) else plan

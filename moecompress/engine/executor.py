@@ -7,7 +7,9 @@
    :mod:`moecompress.engine.journal`);
 2. open the checkpoint (headers only) and **dry-run** the whole chain on ``meta`` layers
    (:mod:`moecompress.engine.dry_run`); check the calibration source (tokenizer present, enough text);
-3. **calibrate** (or reuse the statistics cache): :mod:`moecompress.calibration.sweep`;
+3. **calibrate** (or reuse the statistics cache): :mod:`moecompress.calibration.sweep`; with
+   ``calibration.source: none`` (data-free steps only) nothing is calibrated: no token is read, no
+   statistic collected or cached, and no reconstruction error measured (the reports say so: ``null``);
 4. run cross-layer **plans**;
 5. the **layer loop** (:mod:`moecompress.engine.run`): per decoder layer, read it, run the steps,
    write each emitted step's checkpoint, copy non-MoE tensors, free; journal for ``--resume``;
@@ -39,7 +41,7 @@ from moecompress.engine.context import RunContext
 from moecompress.engine.dry_run import dry_run
 from moecompress.engine.journal import JOURNAL, finished, resumable, staging_dir
 from moecompress.engine.lock import RunLock
-from moecompress.engine.recipe import Recipe, load_recipe, pass_table
+from moecompress.engine.recipe import NO_CALIBRATION, Recipe, load_recipe, pass_table
 from moecompress.engine.run import RecipeRun
 from moecompress.engine.spec import PassSpec
 from moecompress.engine.steps import compress_for_propagation, step_stats
@@ -114,6 +116,8 @@ def _check_calibration_source(recipe: Recipe, ckpt: Checkpoint) -> str:
     """Fail in the dry run on a bad source, a missing tokenizer or an unusable cache directory;
     returns the source fingerprint (the statistics cache key)."""
     c = recipe.calibration
+    if c.data_free:  # nothing is read: no source, no tokenizer
+        return NO_CALIBRATION
     fingerprint = source_fingerprint(
         c.source, model_dir=ckpt.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
     )
@@ -153,6 +157,7 @@ def calibrate_stats(
         "propagate": c.propagate,
         "tokens": tokens_key(ids),
         "extra": cache_key_extra,
+        **StatsCache.chunk_key(needs, ctx.expert_chunks),  # only when the chunking changes the statistics' bits
         **({"device": torch.device(ctx.device).type} if ctx.device != "cpu" else {}),  # other arithmetic
     }
     cache = StatsCache(root, model_key(ckpt), key)
@@ -174,6 +179,7 @@ def calibrate_stats(
                 save_backward=lambda i, s: save_layer(entry, i, s, grad=True),
                 on_layer=on_layer,
                 progress=ctx.progress,
+                expert_chunks=ctx.expert_chunks,
             )
         except BaseException:
             cache.abort(entry)  # a failed calibration leaves no partial entry behind
@@ -183,15 +189,17 @@ def calibrate_stats(
     return final, {**summary, "entry": str(final)}
 
 
-def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path) -> dict[int, dict[int, Any]]:
-    """``{step number: {layer: decision}}`` for the steps that declare a cross-layer plan."""
+def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path | None) -> dict[int, dict[int, Any]]:
+    """``{step number: {layer: decision}}`` for the steps that declare a cross-layer plan (``entry``
+    ``None``: a data-free run, no statistics)."""
     plans: dict[int, dict[int, Any]] = {}
     protected = {i: set(ckpt.protected.get(i, ())) for i in ckpt.moe_layer_indices}
     for step in recipe.steps:
         if step.spec.plan is None:
             continue
         all_stats = {
-            i: step_stats(step, i, load_layer(entry, i), protected=frozenset(protected[i]))
+            i: step_stats(step, i, load_layer(entry, i) if entry is not None else {},
+                          protected=frozenset(protected[i]))
             for i in ckpt.moe_layer_indices
         }
         plans[step.number] = step.spec.plan(all_stats, step.config)
@@ -261,19 +269,35 @@ def apply(
             raise _with_note(err, _leftover(rec, keep=isinstance(err, CacheError))) from None
 
 
+DATA_FREE_NOTE = "calibration.source: none: no calibration tokens were read and no statistics collected"
+NOT_MEASURED = "reconstruction errors were not measured (calibration.source: none): null, not 0"
+
+
 def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, progress: bool):
-    ctx = RunContext.for_recipe(rec, ckpt, progress=progress)
-    ids = _token_ids(rec, ckpt)
+    ctx = RunContext.for_recipe(rec, ckpt, progress=progress, plan=plan)
     t0 = time.perf_counter()
-    compressed = rec.calibration.propagate == "compressed"
-    entry, calib = calibrate_stats(
-        rec, ckpt, ids, fingerprint, ctx,
-        on_layer=compress_for_propagation(rec, ctx.device) if compressed else None,
-        cache_key_extra=rec.fingerprint() if compressed else "",
-    )  # fmt: skip
+    entry: Path | None
+    if rec.calibration.data_free:  # no tokens, no sweep, no cache entry; nothing to compare against
+        entry, calib = None, {"source": NO_CALIBRATION, "note": DATA_FREE_NOTE, "reconstruction_errors": None,
+                              "reconstruction_note": NOT_MEASURED, "seconds": 0.0, "cached": False}  # fmt: skip
+    else:
+        if plan.get("data_free_steps"):
+            log.info("no step needs calibration statistics; calibration.source: none would skip calibration "
+                     "(reconstruction errors are then not measured)")  # fmt: skip
+        ids = _token_ids(rec, ckpt)
+        compressed = rec.calibration.propagate == "compressed"
+        entry, calib = calibrate_stats(
+            rec, ckpt, ids, fingerprint, ctx,
+            on_layer=compress_for_propagation(rec, ctx.device) if compressed else None,
+            cache_key_extra=rec.fingerprint() if compressed else "",
+        )  # fmt: skip
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
     run.loop()
+    if entry is None:  # every row says that its error is unknown, not zero
+        for rows in run.rows.values():
+            for row in rows:
+                row.update(rel_error=None, sqnr_db=None)
     return RunResult(Path(rec.output), run.finish(calib, t0, plan), cache_entry=entry)
 
 
@@ -304,10 +328,14 @@ def _leftover(rec: Recipe, keep: bool = True) -> str:
 def calibrate(recipe, overrides=(), *, passes: Iterable[PassSpec] = (), progress: bool = True) -> Path:
     """Statistics only (``moecompress calibrate``): returns the cache entry directory."""
     rec = _coerce(recipe, overrides, passes)
+    if rec.calibration.data_free:
+        raise RecipeError(
+            "calibration.source: none collects no statistics, so there is nothing to calibrate; use a calibration "
+            "source (builtin, file:PATH, hf:NAME, random)"
+        )
     ckpt = _open(rec)
-    dry_run(rec, ckpt)
+    plan = dry_run(rec, ckpt)
     fingerprint = _check_calibration_source(rec, ckpt)
-    entry, _ = calibrate_stats(
-        rec, ckpt, _token_ids(rec, ckpt), fingerprint, RunContext.for_recipe(rec, ckpt, progress=progress)
-    )
+    ctx = RunContext.for_recipe(rec, ckpt, progress=progress, plan=plan)
+    entry, _ = calibrate_stats(rec, ckpt, _token_ids(rec, ckpt), fingerprint, ctx)
     return entry

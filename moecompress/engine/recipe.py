@@ -42,13 +42,20 @@ def _path_text(value: str | None) -> str | None:
     return value
 
 
+NO_CALIBRATION = "none"
+"""``calibration.source: none``: a data-free run (every step must need no statistics)."""
+
+
 class CalibrationConfig(BaseModel):
     """Calibration data and how statistics are gathered."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: str = Field(
-        "builtin", description="builtin | file:PATH[,PATH] | hf:NAME[:CONFIG][@SPLIT] | random"
+        "builtin",
+        description="builtin | file:PATH[,PATH] | hf:NAME[:CONFIG][@SPLIT] | random | none (no calibration: "
+        "only for steps that need no statistics, e.g. rtn, identity, ablate_experts, capacity_drop; no tokens "
+        "are read and reconstruction errors are not measured)",
     )
     samples: int = Field(128, ge=1, le=1_000_000)
     seq_len: int = Field(512, ge=2, le=1_000_000)
@@ -103,6 +110,11 @@ class CalibrationConfig(BaseModel):
     def holdout_samples(self) -> int:
         return self.holdout if self.holdout is not None else max(1, self.samples // 8)
 
+    @property
+    def data_free(self) -> bool:
+        """``source: none``: no calibration tokens, no statistics, no held-back reconstruction errors."""
+        return self.source == NO_CALIBRATION
+
 
 @dataclass(frozen=True)
 class Step:
@@ -147,7 +159,20 @@ class _RecipeModel(BaseModel):
         "(everything in the compute dtype, so that moecompress layouts can be written), auto (keep unless a "
         "written step needs the moecompress format)",
     )
+    expert_chunk: int | str = Field(
+        "auto",
+        description="MoE layers read, calibrated, compressed and written by chunks of this many experts: auto "
+        "(whole layers when they fit the memory limit, chunks sized to fit when not), off (whole layers; "
+        "refused when they do not fit), or a number of experts",
+    )
     steps: list[Any] = Field(min_length=1)
+
+    @field_validator("expert_chunk", mode="before")
+    @classmethod
+    def _chunk(cls, value: str | int) -> str | int:
+        if value in ("auto", "off") or (type(value) is int and value >= 1):
+            return value
+        raise ValueError("must be auto, off or a number of experts >= 1")
 
     @field_validator("model", "output", "copy_extra")
     @classmethod
@@ -175,6 +200,7 @@ class Recipe:
     steps: tuple[Step, ...]
     copy_extra: tuple[str, ...] = ()
     quantized_input: str = "auto"
+    expert_chunk: str | int = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as YAML would hold it."""
@@ -186,6 +212,7 @@ class Recipe:
             "max_shard_size": self.max_shard_size,
             **({"copy_extra": list(self.copy_extra)} if self.copy_extra else {}),
             **({"quantized_input": self.quantized_input} if self.quantized_input != "auto" else {}),
+            **({"expert_chunk": self.expert_chunk} if self.expert_chunk != "auto" else {}),
             "steps": [{s.name: s.config.model_dump(mode="json")} for s in self.steps],
         }
 
@@ -359,4 +386,5 @@ def load_recipe(
         steps=steps,
         copy_extra=tuple(raw.copy_extra),
         quantized_input=raw.quantized_input,
+        expert_chunk=raw.expert_chunk,
     )

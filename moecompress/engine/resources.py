@@ -5,7 +5,10 @@ Calibration keeps every batch's hidden states of one decoder layer twice (its in
 tensors, half as much again while one projection's experts are stacked, and a compute-dtype copy when
 that differs from the stored dtype), over what every run holds (``STEP_BASE_BYTES``). The streamed
 backward adds the stored inputs of every decoder layer (in RAM unless ``offload`` puts them on disk),
-one gradient of the hidden states and, per batch, the logits at the head with their gradient.
+one gradient of the hidden states, the LM head and, per batch, the logits at the head with their
+gradient. An expert-chunked MoE layer (``expert_chunk``) counts its non-expert tensors and one chunk of
+experts instead of the layer, and adds every batch's recorded MoE input and an fp32 accumulator of its
+MoE output (forward) or input gradient (backward) (:mod:`moecompress.calibration.chunked`).
 
 Compressing holds, per step and MoE layer (:func:`step_peak`), the step's input layer, the layer's
 statistics, the pass's declared workspace (``PassSpec.workspace``) and its output with its encoded
@@ -18,13 +21,16 @@ free disk.
 from __future__ import annotations
 
 import re
+import resource
 import shutil
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, CATALOGUE, backward_needed
-from moecompress.calibration.sweep import OFFLOAD_AUTO_BYTES
+from moecompress.calibration.sweep import OFFLOAD_AUTO_BYTES, PROPAGATE_CHUNKED
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
@@ -39,35 +45,61 @@ STEP_BASE_BYTES = 600 * 1024**2
 checkpoint's headers, one non-MoE decoder layer being copied): measured ~0.5 GiB, rounded up."""
 
 
-def _layer_memory(ckpt: Checkpoint, keys: list[str], dtype: torch.dtype) -> int:
+def _layer_memory(
+    ckpt: Checkpoint, keys: list[str], dtype: torch.dtype, layer: int | None = None, chunk: int | None = None
+) -> int:
     """One decoder layer in calibration: its stored tensors, half as much again while the experts of one
-    projection are stacked (and checked for NaN), and a compute-dtype copy when the stored dtype differs."""
+    projection are stacked (and checked for NaN), and a compute-dtype copy when the stored dtype differs.
+    An expert-chunked MoE layer (``chunk`` experts at a time, :mod:`moecompress.calibration.chunked`)
+    holds its other tensors and one chunk of its routed experts so."""
     r = ckpt.reader
-    stored = sum(r.nbytes(k) for k in keys)
-    floats = [k for k in keys if r.torch_dtype(k).is_floating_point]
     size = torch.empty(0, dtype=dtype).element_size()
-    cast = sum(r.nbytes(k) // r.torch_dtype(k).itemsize * size for k in floats if r.torch_dtype(k) != dtype)
-    return stored * 3 // 2 + cast
+
+    def held(names: list[str]) -> int:
+        stored = sum(r.nbytes(k) for k in names)
+        floats = [k for k in names if r.torch_dtype(k).is_floating_point]
+        cast = sum(r.nbytes(k) // r.torch_dtype(k).itemsize * size for k in floats if r.torch_dtype(k) != dtype)
+        return stored * 3 // 2 + cast
+
+    if chunk is None or layer is None:
+        return held(keys)
+    routed = set(ckpt.adapter.expert_keys(layer, keys))
+    experts = held([k for k in keys if k in routed])
+    return held([k for k in keys if k not in routed]) + -(-experts * chunk // ckpt.adapter.num_experts)
 
 
-def estimate(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, int]:
-    """Estimated peak bytes of calibration in memory and of the streamed backward's inputs on disk."""
+def estimate(
+    recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, chunks: Mapping[int, int] | None = None
+) -> dict[str, int]:
+    """Estimated peak bytes of calibration in memory and of the streamed backward's inputs on disk (none
+    with ``calibration.source: none``). ``chunks``: MoE layer -> experts per chunk (the dry run's
+    ``expert_chunk``; default none); a chunked
+    layer counts one chunk of experts, and the run every batch's recorded MoE input and its fp32 MoE
+    output accumulator (forward) or input gradient (backward) besides the activations."""
+    if recipe.calibration.data_free:
+        return {"calibration_memory_bytes": 0, "calibration_layer_bytes": 0, "backward_disk_bytes": 0}
     c, cfg = recipe.calibration, ckpt.raw_config
     hidden = int(cfg.get("hidden_size") or 0)
     vocab = int(cfg.get("vocab_size") or 0)
     size = torch.empty(0, dtype=dtype).element_size()
     tokens = c.samples * c.seq_len
     act = tokens * hidden * size
-    layers = [keys for idx, keys in ckpt.key_groups() if idx is not None]
+    chunks = {i: n for i, n in (chunks or {}).items() if i in set(ckpt.moe_layer_indices)}
+    if chunks and c.propagate == "compressed":
+        raise RecipeError(PROPAGATE_CHUNKED)
+    layers = [(idx, keys) for idx, keys in ckpt.key_groups() if idx is not None]
     n_layers = len(layers)
-    layer_mem = max((_layer_memory(ckpt, keys, dtype) for keys in layers), default=0)
+    layer_mem = max((_layer_memory(ckpt, keys, dtype, idx, chunks.get(idx)) for idx, keys in layers), default=0)
     mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + layer_mem
+    if chunks:  # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
+        mem += act + tokens * hidden * 4
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):
         store = n_layers * act
         on_disk = c.offload == "disk" or (c.offload == "auto" and store > OFFLOAD_AUTO_BYTES)
         disk = store if on_disk else 0
         mem += (0 if on_disk else store) + act + 3 * min(c.batch_size, c.samples) * c.seq_len * vocab * 4
+        mem += vocab * hidden * size  # the LM head (the input embeddings are freed once every batch is captured)
     out = {"calibration_memory_bytes": mem, "calibration_layer_bytes": layer_mem, "backward_disk_bytes": disk}
     if "route_attrib" in set(recipe.needs):  # the routing-attribution trace (calibration/trace.py)
         trace = trace_bytes(n_layers, len(ckpt.moe_layer_indices), min(ATTRIB_TOKENS, tokens), hidden,
@@ -133,9 +165,9 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
     layer = plan.get("calibration_layer_bytes", 0)
     if limit is not None and need > limit and 2 * layer >= need:
         raise RecipeError(
-            f"calibration needs about {need / GiB:.1f} GiB of memory, {layer / GiB:.1f} GiB of it for one decoder layer "
-            f"(a layer is held whole: streaming its experts in chunks is not built yet), but {limit / GiB:.1f} GiB are "
-            f"{where}; run it on a machine with more memory"
+            f"calibration needs about {need / GiB:.1f} GiB of memory, {layer / GiB:.1f} GiB of it for one decoder layer, "
+            f"but {limit / GiB:.1f} GiB are {where}; "
+            + _calibration_fix(recipe, plan)
         )
     if limit is not None and need > limit:
         raise RecipeError(
@@ -147,12 +179,12 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
     worst = max(plan.get("step_memory", {}).items(), key=lambda kv: kv[1]["bytes"], default=None)
     if limit is not None and worst is not None and worst[1]["bytes"] > limit:
         label, w = worst
+        chunked = f", by chunks of {w['chunk']} experts" if w.get("chunk") else ", the layer held whole"
         raise RecipeError(
             f"{label} needs about {w['bytes'] / GiB:.1f} GiB of memory on layer {w['layer']} (its input layer "
             f"{w['input_bytes'] / GiB:.1f} GiB, output {w['output_bytes'] / GiB:.1f} GiB, workspace "
-            f"{w['workspace_bytes'] / GiB:.1f} GiB, statistics {w['stats_bytes'] / GiB:.1f} GiB) but {limit / GiB:.1f} GiB "
-            f"are {where}; run it on a machine with more memory (a layer is held whole: streaming its experts in "
-            "chunks is not built yet)"
+            f"{w['workspace_bytes'] / GiB:.1f} GiB, statistics {w['stats_bytes'] / GiB:.1f} GiB"
+            f"{chunked}) but {limit / GiB:.1f} GiB are {where}; {_step_fix(recipe, w)}"
         )
     out = sum(plan["estimated_output_bytes"].get(s, 0) for s in plan["written_steps"]) + plan["backward_disk_bytes"]
     if disk_free is not None and out > disk_free:
@@ -161,6 +193,29 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
             f"checkpoint(s){' and the streamed backward inputs' if plan['backward_disk_bytes'] else ''}) but only "
             f"{disk_free / GiB:.2f} GiB are free; free space or choose another output"
         )
+
+
+def _calibration_fix(recipe: Recipe, plan: dict) -> str:
+    sizes = sorted(set((plan.get("expert_chunk") or {}).values()))
+    if sizes:
+        return (f"set a smaller expert_chunk (the layers are held by chunks of {'/'.join(map(str, sizes))} experts), "
+                "or run it on a machine with more memory")  # fmt: skip
+    if recipe.expert_chunk == "off" or isinstance(recipe.expert_chunk, int):
+        return "use expert_chunk: auto (or a number of experts per chunk) to hold a layer's experts by chunks, or run it on a machine with more memory"
+    return "run it on a machine with more memory"
+
+
+def _step_fix(recipe: Recipe, w: dict) -> str:
+    """The fix for a step estimate over the limit (the dry run's ``step_memory`` entry ``w``)."""
+    if w.get("whole_because"):
+        return (f"{w['whole_because']} needs every expert of the layer at once, so the layer is held whole: run it on a "
+                "machine with more memory")  # fmt: skip
+    if w.get("chunk"):
+        return ("even one expert per chunk does not fit: run it on a machine with more memory" if w["chunk"] == 1
+                else "use a smaller expert_chunk (or auto), or run it on a machine with more memory")  # fmt: skip
+    if recipe.expert_chunk == "off":
+        return "use expert_chunk: auto to hold the layer by chunks of experts, or run it on a machine with more memory"
+    return "not even one expert per chunk fits: run it on a machine with more memory"
 
 
 def free_disk(path: Path) -> int | None:
@@ -172,3 +227,16 @@ def free_disk(path: Path) -> int | None:
         return shutil.disk_usage(p).free
     except OSError:
         return None
+
+
+def rss_mb() -> float:
+    """Current resident memory in MB (Linux ``VmRSS``; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024

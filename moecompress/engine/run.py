@@ -10,9 +10,7 @@ output is byte-identical to an uninterrupted one.
 from __future__ import annotations
 
 import math
-import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -20,11 +18,13 @@ import torch
 
 from moecompress._version import __version__
 from moecompress.calibration.cache import load_layer
+from moecompress.engine.chunk_loop import chunked_layer
 from moecompress.engine.context import RunContext
 from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
-from moecompress.engine.layer_loop import raw_layer_tensors, stream_layers
-from moecompress.engine.protection import MASSIVE_RATIO_WARNING, TopActivation
+from moecompress.engine.layer_loop import raw_layer_tensors, raw_selection, stream_layers, write_raw
+from moecompress.engine.protection import MASSIVE_RATIO_WARNING, RENUMBER_KEY, TopActivation
 from moecompress.engine.recipe import Recipe
+from moecompress.engine.resources import rss_mb
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
@@ -36,19 +36,6 @@ from moecompress.ir import cast_layer, layer_to
 from moecompress.methods.metrics import relative_error, sqnr_db
 from moecompress.reference import moe_forward
 from moecompress.report.write import json_safe, write_run_report, write_step_report
-
-
-def rss_mb() -> float:
-    """Current resident memory in MB (Linux ``VmRSS``; elsewhere the peak so far)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 def _checkpoint_dirs(rec: Recipe, staging: Path) -> dict[int, Path]:
@@ -90,6 +77,8 @@ class RecipeRun:
         self.shapes: dict[int, dict[int, list[int]]] = {n: {} for n in self.writers}
         self.protected: dict[int, dict[str, list[int]]] = {n: {} for n in self.writers}
         self.routing: dict[int, dict[str, dict]] = {n: {} for n in self.writers}
+        self.kept_raw: dict[int, set[int]] = {n: set() for n in self.writers}
+        """per written step, the MoE layers written in the quantised input's encoding with experts selected"""
         if journal is not None:
             self._restore(journal)
 
@@ -103,6 +92,7 @@ class RecipeRun:
         self.shapes = {int(n): {int(i): d for i, d in v.items()} for n, v in j["shapes"].items()}
         self.protected = {int(n): v for n, v in j["protected"].items()}
         self.routing = {int(n): v for n, v in j.get("routing", {}).items()} or {n: {} for n in self.writers}
+        self.kept_raw = {n: set(j.get("kept_raw", {}).get(str(n), [])) for n in self.writers}
 
     def save_journal(self, done_group: int) -> None:
         write_json_atomic(
@@ -117,15 +107,19 @@ class RecipeRun:
                 "shapes": {str(n): {str(i): d for i, d in v.items()} for n, v in self.shapes.items()},
                 "protected": {str(n): v for n, v in self.protected.items()},
                 "routing": {str(n): v for n, v in self.routing.items()},
+                "kept_raw": {str(n): sorted(v) for n, v in self.kept_raw.items()},
             },
         )
 
     def moe_layer(self, idx: int) -> None:
         # device-generic passes (PassSpec.on_device) and the reconstruction forwards run on the compute
         # device, the others on the host; the writer takes every tensor to the host
+        if idx in self.ctx.expert_chunks:  # never held whole (moecompress.engine.chunk_loop)
+            return chunked_layer(self, idx, self.ctx.expert_chunks[idx])
         dev, host = torch.device(self.ctx.device), torch.device("cpu")
         layer = self.ckpt.read_layer(idx)
-        stats = {host: load_layer(self.entry, idx)}
+        kept: list[int] | None = list(range(layer.router.num_experts))  # input experts, while only selected
+        stats = {host: load_layer(self.entry, idx) if self.entry is not None else {}}  # None: data-free run
         if dev != host:
             stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
         dtype = self.ctx.dtype
@@ -145,6 +139,7 @@ class RecipeRun:
             st = step_stats(step, idx, stats[where], plan=self.plans.get(step.number, {}).get(idx))
             new, info = run_step(step, layer, st)
             secs = time.perf_counter() - t0
+            kept = _selection(step, layer, new, info, kept)
             row = {
                 "layer": idx,
                 "params_before": before_params,
@@ -167,8 +162,13 @@ class RecipeRun:
                 # a quantised input's layer that no step so far changed: its raw tensors, byte for byte
                 keep = not (self.dequantize or self._changed(idx, step.number))
                 raw = raw_layer_tensors(self.ckpt, idx) if keep else None
+                sel = None if keep or self.dequantize or kept is None else raw_selection(self.ckpt, idx, kept, new)
                 if raw is not None:
                     tensors, self.descs[step.number][idx] = raw, None
+                elif sel is not None:  # only experts selected: the kept ones in their on-disk encoding
+                    tensors, self.descs[step.number][idx] = {}, None
+                    write_raw(self.writers[step.number], sel)
+                    self.kept_raw[step.number].add(idx)
                 else:
                     tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, layer_to(new, host))
                     check_stock_output(self.ckpt, idx, self.descs[step.number][idx], self.dequantize)
@@ -199,6 +199,9 @@ class RecipeRun:
             for f in self.ckpt.non_weight_files(self.rec.copy_extra):
                 if f.name != "README.md":  # the base model's card describes the base, not this output
                     shutil.copy2(f, self.dirs[n] / f.name)
+            for name in self.ckpt.adapter_files():  # attention adapters: no MoE step changes what they wrap
+                (self.dirs[n] / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(self.ckpt.path / name, self.dirs[n] / name)
             (self.dirs[n] / "recipe.yaml").write_text(self.rec.to_yaml())
             provenance = {
                 "version": __version__,
@@ -213,7 +216,7 @@ class RecipeRun:
                 self.ckpt.raw_config, self.descs[n], self.shapes[n], adapter=self.ckpt.adapter,
                 provenance=provenance,
             )  # fmt: skip
-            changed = [i for i in self.ckpt.moe_layer_indices if self._changed(i, n)]
+            changed = [i for i in self.ckpt.moe_layer_indices if self._changed(i, n) and i not in self.kept_raw[n]]
             cfg = output_quantization_config(self.ckpt, cfg, changed, self.dequantize)
             write_json_atomic(self.dirs[n] / "config.json", cfg)
 
@@ -286,6 +289,18 @@ class RecipeRun:
         (self.staging / JOURNAL).unlink(missing_ok=True)
         move_into_place(self.staging, self.out)
         return run
+
+
+def _selection(step, layer, new, info: dict, kept: list[int] | None) -> list[int] | None:
+    """The input experts that ``new`` holds, unchanged, when every step so far only selected experts
+    (``Chunking('select')``: ``expert_prune``, protection); ``None`` once a step changed expert weights."""
+    if kept is None or new is layer:
+        return kept
+    mode = step.spec.chunking
+    if mode is None or mode.mode != "select":
+        return None
+    order = info.get(RENUMBER_KEY)
+    return kept if order is None else [kept[k] for k in order]
 
 
 def _massive_warnings(rows: list[dict]) -> list[str]:

@@ -41,6 +41,9 @@ Fields of a spec:
 - ``workspace(layer, cfg) -> bytes``: memory the step allocates on one layer beyond its input and
   output layers (stacked or whitened copies, solver state), from shapes: the dry run's memory estimate
   adds it (``None``: nothing beyond them).
+- ``chunking``: a :class:`Chunking`, how the step runs on a layer held by chunks of experts
+  (``RunContext.expert_chunks``, :mod:`moecompress.engine.chunks`); ``None``: the step needs every expert
+  at once and is refused on such a layer in the dry run.
 """
 
 from __future__ import annotations
@@ -143,6 +146,44 @@ PassFn = Callable[[MoELayer, LayerStats, Any], "tuple[MoELayer, dict]"]
 
 
 @dataclass(frozen=True)
+class Chunking:
+    """How a step runs on an MoE layer held by chunks of experts (:mod:`moecompress.engine.chunks`).
+
+    - ``"expert"``: the result for an expert depends only on that expert and its statistics; the pass
+      runs on every chunk's sub-layer (experts ``a..b``, their router rows, per-expert statistics and a
+      per-expert plan sliced, protected ids shifted) and ``merge(infos, bounds, cfg)`` makes the
+      layer's ``info`` from the chunks' infos (``bounds``: each chunk's ``(a, b)``); the router and the
+      shared expert are left as they are.
+    - ``"select"``: the pass decides from the statistics alone and changes only which experts exist
+      (``info["kept_experts"]``, old ids in the new order; absent: all), the router rows and the
+      protection: it runs once per layer on the layer's *shell* (routed experts on the ``meta`` device)
+      and the engine applies the selection to every chunk.
+
+    ``refuse(cfg) -> reason | None``: a configuration that cannot run by chunks although the pass can
+    (``heapr`` ranking the neurons of a layer without a plan), with the fix. ``kind(shell, stats, cfg)``:
+    for an ``expert`` step whose output layout can differ between chunks (pruning: a chunk whose experts
+    all keep their width), what the whole layer becomes (``unchanged``, ``dense``, ``ragged``), from the
+    statistics alone; the chunks are written in that form."""
+
+    mode: str
+    merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
+    refuse: Callable[[Any], str | None] | None = None
+    kind: Callable[[MoELayer, LayerStats, Any], str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("expert", "select"):
+            raise ValueError(f"Chunking mode must be 'expert' or 'select', got {self.mode!r}")
+        if self.mode == "expert" and self.merge is None:
+            raise ValueError("Chunking('expert') needs merge(infos, bounds, cfg) -> info")
+
+
+def shifted_ids(infos: list[dict], bounds: list[tuple[int, int]], key: str) -> list[int]:
+    """The expert ids listed under ``key`` in chunk infos, shifted to the layer's numbering (what a
+    :class:`Chunking` ``merge`` uses; ``bounds``: each chunk's ``(a, b)``)."""
+    return sorted(int(x) + a for info, (a, _) in zip(infos, bounds) for x in info.get(key, []))
+
+
+@dataclass(frozen=True)
 class StageJob:
     """What a whole-model stage is given: its input checkpoint (the previous segment's output, or the
     recipe's input), the teacher (the recipe's input unless the step names one), the directory to
@@ -190,6 +231,7 @@ class PassSpec:
     stage: StageSpec | None = None
     on_device: bool = False
     workspace: Callable[[MoELayer, Any], int] | None = None
+    chunking: Chunking | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "needs", frozenset(self.needs))

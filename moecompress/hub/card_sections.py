@@ -140,6 +140,9 @@ def _calibration_section(run: Mapping[str, Any]) -> list[str]:
     cal = (run.get("recipe") or {}).get("calibration")
     if not isinstance(cal, Mapping):
         return []
+    if cal.get("source") == "none":  # a data-free run: its sample fields were not used
+        return ["## Calibration", "", "- source: `none` (data-free steps only): no calibration tokens were read and "
+                "reconstruction errors were not measured", ""]  # fmt: skip
     samples, seq_len = _int(cal.get("samples")), _int(cal.get("seq_len"))
     lines = ["## Calibration", "", f"- source: `{_cell(cal.get('source', '?'))}`"]
     line = f"- samples: {_num(samples)} sequences × {_num(seq_len)} tokens"

@@ -28,10 +28,12 @@ from moecompress.io.quantized import QuantizedReader, logical_dtype, quant_forma
 from moecompress.io.reader import INDEX_NAME, ShardReader, is_confined
 from moecompress.io.routing import check_routing, policy_dict, read_routing, routing_tensors, without_routing
 from moecompress.io.verify import layer_problem, read_block
-from moecompress.ir import MoELayer
+from moecompress.ir import ExpertBank, MoELayer
 
 log = logging.getLogger(__name__)
 
+ADAPTERS_KEY = "moecompress_adapters"
+"""``config.json`` block naming adapter files stored beside the weights (:mod:`moecompress.runtime.lora_mixer`)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # What transformers' save_pretrained and the tokenizers write beside the weights (besides config.json).
 MODEL_FILES = frozenset({
@@ -100,6 +102,36 @@ class Checkpoint:
         """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
         return self.read_layer_with(i, self.reader.get_many)
 
+    def read_experts(self, i: int, start: int, stop: int) -> ExpertBank:
+        """Routed experts ``[start, stop)`` of MoE layer ``i``, dequantised; only their bytes are read
+        (per-expert tensors by name, fused ``[E, ...]`` ones by rows). Equal, bit for bit, to
+        ``read_layer(i).experts`` restricted to those experts. Layers in the moecompress format are read
+        whole (:meth:`read_layer`)."""
+        if i in self.layouts:
+            raise CheckpointError(
+                f"{self.path}: layer {i} is stored in the moecompress format, which is read whole, not by "
+                "chunks of experts; run it with expert_chunk: off"
+            )
+        return self.adapter.read_experts(i, self.reader.keys, self.reader.get_many, self.reader.get_rows, start, stop)
+
+    def read_layer_shell(self, i: int) -> MoELayer:
+        """MoE layer ``i`` with its routed experts on the ``meta`` device (shapes only) and everything else
+        (router, score bias, shared expert, routing policy) read: what an expert-chunked run holds
+        besides the chunk it works on (:meth:`read_experts`)."""
+        if i in self.layouts:
+            raise CheckpointError(
+                f"{self.path}: layer {i} is stored in the moecompress format, which is read whole, not by "
+                "chunks of experts; run it with expert_chunk: off"
+            )
+        routed = set(self.adapter.expert_keys(i, self.reader.keys))
+
+        def fetch(names) -> dict:
+            names = list(names)
+            got = self.reader.get_many([n for n in names if n not in routed])
+            return {n: got[n] if n in got else self.reader.meta(n) for n in names}
+
+        return self.read_layer_with(i, fetch)
+
     @property
     def protected(self) -> dict[int, frozenset[int]]:
         """Protected (super) experts recorded by an earlier run, per layer."""
@@ -147,6 +179,23 @@ class Checkpoint:
             groups.setdefault(int(m.group(1)) if m else None, []).append(key)
         order = [None, *sorted(k for k in groups if k is not None)]
         return [(k, groups[k]) for k in order if groups[k]]
+
+    def adapter_files(self) -> list[str]:
+        """Relative paths of the adapter files that ``config.json``'s ``moecompress_adapters`` block names
+        (a ``lora_heal`` output's routed attention LoRA): steps that rewrite MoE layers leave the attention
+        projections they wrap untouched, so an output carries them. A named file that is missing or links
+        outside the directory is a :class:`CheckpointError`."""
+        block = self.raw_config.get(ADAPTERS_KEY)
+        name = block.get("file") if isinstance(block, dict) else None
+        if name is None:
+            return []
+        p = self.path / str(name)
+        if ".." in Path(str(name)).parts or not p.is_file() or not is_confined(p, allowed_roots(self.path)):
+            raise CheckpointError(
+                f"{self.path / 'config.json'}: {ADAPTERS_KEY} names {name!r}, which is not a file inside the checkpoint "
+                "directory; restore it from the run that wrote the checkpoint"
+            )
+        return [str(name)]
 
     def non_weight_files(self, extra: Iterable[str] = ()) -> list[Path]:
         """The files to copy next to rewritten weights: every :func:`is_model_file` of the directory,

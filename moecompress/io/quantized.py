@@ -146,6 +146,19 @@ class QuantizedReader:
         return out
 
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the first dimension of logical tensor ``name``, dequantised; a format
+        with ``decode_rows`` (MXFP4's fused experts) reads only those rows' bytes."""
+        if name not in self._q:
+            if name not in self:
+                raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+            return self.raw.get_rows(name, start, stop)
+        decode_rows = getattr(self.fmt, "decode_rows", None)
+        if decode_rows is not None:
+            return decode_rows(self._q[name], self.raw, self.compute_dtype, start, stop)
+        return self.fmt.decode(name, self._q[name], self.raw, self.compute_dtype)[start:stop].clone()
+
+
 def moe_block(adapter, i: int) -> str:
     """Module name of the MoE block of layer ``i`` (what a rewritten layer takes out of quantisation)."""
     return f"{adapter.layer_prefix(i)}{adapter.module_attr}"

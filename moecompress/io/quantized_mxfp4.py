@@ -69,12 +69,16 @@ class Mxfp4Input:
         return out
 
     def decode(self, name: str, entry: QEntry, raw: ShardReader, dtype: torch.dtype) -> torch.Tensor:
+        return self.decode_rows(entry, raw, dtype, 0, entry.shape[0])
+
+    def decode_rows(self, entry: QEntry, raw: ShardReader, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+        """Experts ``[start, stop)``, reading only their blocks and scales (one expert at a time)."""
         blocks, scales = entry.raw
-        out = torch.empty(entry.shape, dtype=dtype)
-        for e in range(entry.shape[0]):  # one expert's bytes at a time
-            out[e] = dequantize_expert(raw.get_rows(blocks, e, e + 1), raw.get_rows(scales, e, e + 1), dtype)[
-                0
-            ]
+        out = torch.empty((stop - start, *entry.shape[1:]), dtype=dtype)
+        for e in range(start, stop):
+            out[e - start] = dequantize_expert(
+                raw.get_rows(blocks, e, e + 1), raw.get_rows(scales, e, e + 1), dtype
+            )[0]
         return out
 
     def without(self, qc: dict, modules: list[str]) -> dict:

@@ -25,17 +25,23 @@ import math
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import TensorSpec
 
 from moecompress.errors import CheckpointError, OutputExistsError
 from moecompress.io.reader import INDEX_NAME, SINGLE_NAME
+from moecompress.io.shard_format import (
+    _RANK,
+    _Entry,
+    _header_entry,
+    _Part,
+    _Pending,
+    _pwrite,
+    safetensors_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,66 +85,7 @@ def move_into_place(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# safetensors' ``Dtype`` enum in declaration order; a shard's tensors are laid out by descending dtype,
-# then by name (its ``prepare``), which keeps every tensor aligned to its element size.
-_DTYPE_ORDER = (
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
-    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
-)  # fmt: skip
-_RANK = {code: i for i, code in enumerate(_DTYPE_ORDER)}
 _COPY_CHUNK = 64 << 20
-
-
-@dataclass
-class _Entry:
-    name: str
-    dtype: str  # safetensors' code, e.g. "BF16"
-    shape: list[int]  # the header's (logical) shape
-    start: int  # byte range in the data file
-    end: int
-
-
-@dataclass
-class _Part:
-    """The unfinished shard: its data file (open for appending) and what it holds."""
-
-    data: Path
-    fd: int
-    entries: list[_Entry] = field(default_factory=list)
-    size: int = 0
-
-
-def _header_entry(name: str, dtype: torch.dtype, shape: Iterable[int], nbytes: int) -> tuple[str, list[int]]:
-    """safetensors' dtype code and logical shape (the library's own mapping, via ``TensorSpec``)."""
-    try:
-        spec = TensorSpec(dtype=str(dtype).split(".")[-1], shape=list(shape), data_ptr=0, data_len=nbytes)
-    except Exception as err:
-        raise CheckpointError(f"tensor {name!r}: safetensors cannot store dtype {dtype} ({err})") from None
-    if spec.dtype not in _RANK:
-        raise CheckpointError(f"tensor {name!r}: dtype {spec.dtype} is not in the writer's dtype table")
-    return spec.dtype, list(spec.shape)
-
-
-def _pwrite(fd: int, t: torch.Tensor, offset: int) -> int:
-    """Write the tensor's bytes (copied only when it is not contiguous) at ``offset``; their count."""
-    view = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):  # a write may be short (size caps, a filling disk): write the rest
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
-
-
-def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
-    """The header block (length prefix, JSON, space padding to 8 bytes) of a safetensors file whose
-    tensors ``(name, dtype code, shape, nbytes)`` are laid out in the given order."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, code, shape, nbytes in entries:
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob
 
 
 def _copy_range(src: int, dst: int, start: int, count: int, dst_off: int) -> None:
@@ -187,6 +134,7 @@ class ShardWriter:
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
         self._total_size = 0
+        self._pending: dict[str, _Pending] = {}
         self._done = False
 
     # -- tensors ---------------------------------------------------------------------------------
@@ -226,8 +174,67 @@ class ShardWriter:
             raise
         self._record(part, _Entry(name, code, header_shape, start, start + size))
 
+    # -- tensors written in segments ---------------------------------------------------------------
+    def append(self, name: str, piece: torch.Tensor) -> None:
+        """Append ``piece`` to tensor ``name``, which is written in segments: its pieces come one at a time,
+        with other tensors added in between (the experts of a fused ``[E, ...]`` tensor, chunk by chunk),
+        and :meth:`end` gives its shape once every piece is written. The bytes go to the current shard's
+        data file as they come; while a tensor is unfinished the shard is not finished (a shard may then
+        exceed ``max_shard_size``)."""
+        if piece.device.type == "meta":
+            raise CheckpointError(f"tensor {name!r}: a piece is on the meta device; nothing to write")
+        pend = self._pending.get(name)
+        if pend is None:
+            self._check_name(name)
+            pend = self._pending[name] = _Pending(piece.dtype)
+        elif piece.dtype != pend.dtype:
+            raise CheckpointError(
+                f"tensor {name!r}: a piece is of dtype {piece.dtype}, expected {pend.dtype}"
+            )
+        part = self._part_for(0)
+        start = part.size
+        n = _pwrite(part.fd, piece, start)
+        part.size = start + n
+        if pend.ranges and pend.ranges[-1][1] == start:  # contiguous with the last piece: one range
+            pend.ranges[-1] = (pend.ranges[-1][0], start + n)
+        else:
+            pend.ranges.append((start, start + n))
+
+    def end(self, name: str, shape: Iterable[int], dtype: torch.dtype | None = None) -> None:
+        """Finish tensor ``name`` (see :meth:`append`): its pieces must total exactly ``shape`` (a tensor
+        with no piece at all needs ``dtype`` and an empty ``shape``)."""
+        pend = self._pending.pop(name, None)
+        if pend is None:
+            if dtype is None:
+                raise CheckpointError(f"tensor {name!r} has no pieces; give its dtype")
+            self._check_name(name)
+            pend = _Pending(dtype)
+        shape = [int(d) for d in shape]
+        size = math.prod(shape) * torch.empty((), dtype=pend.dtype).element_size()
+        got = sum(b - a for a, b in pend.ranges)
+        if got != size:
+            raise CheckpointError(
+                f"tensor {name!r}: its pieces hold {got} bytes, {shape} {pend.dtype} needs {size}"
+            )
+        code, header_shape = _header_entry(name, pend.dtype, shape, size)
+        part = self._part_for(0)
+        ranges = pend.ranges or [(part.size, part.size)]
+        entry = _Entry(name, code, header_shape, ranges[0][0], ranges[0][1], list(ranges[1:]))
+        part.entries.append(entry)
+        self._names.add(name)
+        self._total_size += size
+
+    def written(self, name: str) -> bool:
+        """Whether tensor ``name`` was written (finished)."""
+        return name in self._names
+
+    @property
+    def pending(self) -> list[str]:
+        """Tensors written in segments and not finished yet."""
+        return list(self._pending)
+
     def _check_name(self, name: str) -> None:
-        if name in self._names:
+        if name in self._names or name in self._pending:
             raise CheckpointError(f"tensor {name!r} written twice")
         if name == "__metadata__":
             raise CheckpointError("a tensor cannot be named '__metadata__' (the safetensors header key)")
@@ -248,7 +255,10 @@ class ShardWriter:
 
     def make_room(self, nbytes: int) -> None:
         """Finish the current shard now if ``nbytes`` more would not fit in it."""
-        if self._part is not None and self._part.entries and self._part.size + nbytes > self.max_shard_size:
+        if (
+            self._part is not None and self._part.entries and not self._pending
+            and self._part.size + nbytes > self.max_shard_size
+        ):  # fmt: skip
             self.flush()
 
     def add_many(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -258,15 +268,17 @@ class ShardWriter:
     def flush(self) -> None:
         """Finish the current shard: its header, then its tensors' bytes in safetensors' order."""
         part = self._part
+        if self._pending:
+            raise CheckpointError(
+                f"tensor {sorted(self._pending)[0]!r} is unfinished (written in segments); end it first"
+            )
         if part is None:
             return
-        if not part.entries:
+        if not part.entries and not part.size:
             self._drop_part()
             return
         order = sorted(part.entries, key=lambda e: (-_RANK[e.dtype], e.name))
-        header = safetensors_header(
-            [(e.name, e.dtype, e.shape, e.end - e.start) for e in order], {"format": "pt"}
-        )
+        header = safetensors_header([(e.name, e.dtype, e.shape, e.size) for e in order], {"format": "pt"})
         path = self.tmp_dir / f"part-{len(self._shards):05d}.safetensors"
         dst = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -274,8 +286,9 @@ class ShardWriter:
             if offset != len(header):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             for e in order:
-                _copy_range(part.fd, dst, e.start, e.end - e.start, offset)
-                offset += e.end - e.start
+                for a, b in e.ranges:
+                    _copy_range(part.fd, dst, a, b - a, offset)
+                    offset += b - a
         finally:
             os.close(dst)
         os.close(part.fd)
@@ -286,6 +299,7 @@ class ShardWriter:
 
     def _drop_part(self) -> None:
         part, self._part = self._part, None
+        self._pending.clear()
         if part is not None:
             os.close(part.fd)
             part.data.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moecompress.errors import LayoutError
-from moecompress.layouts.bitpack import BITS
+from moecompress.layouts.bitpack import BITS, pack_bits
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -64,3 +64,56 @@ def dequantize(
     q = codes.to(torch.int32).reshape(*lead, out, g, inn // g)
     z = (1 << (bits - 1)) if zeros is None else zeros.to(torch.int32)[..., None]
     return ((q - z).float() * scales.float()[..., None]).reshape(*lead, out, inn)
+
+
+def quantize_with_error(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`quantize` of ``w`` ``[M, out, in]`` and, from the same pass, ``‖W_m − Ŵ_m‖_F / ‖W_m‖_F`` per
+    leading index ``m`` (float32 ``[M]``), ``Ŵ`` as :func:`dequantize` gives it: bit for bit the same
+    codes, scales, zero points and errors as ``quantize`` then ``dequantize`` (the rounded codes are
+    dequantised in place, in float32, where ``(q − z)`` is exact), without their int32 and extra float32
+    copies."""
+    if bits not in BITS:
+        raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
+    m, out, inn = w.shape
+    gs = group_width(inn, group_size)
+    g = w.to(torch.float32, copy=True).reshape(m, out, inn // gs, gs)
+    den = g.view(m, -1).norm(dim=1).clamp_min(1e-30)
+    qmax = (1 << bits) - 1
+    if symmetric:
+        raw = g.abs().amax(-1) / ((1 << (bits - 1)) - 1)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        raw = (hi - lo) / qmax
+    if raw.numel() and (not bool(torch.isfinite(raw).all()) or float(raw.max()) > _FP16_MAX):
+        raise LayoutError(
+            "weights are too large (or not finite) for float16 group scales; check the checkpoint for inf/NaN"
+        )
+    scales = raw.to(torch.float16)
+    s = scales.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    if symmetric:
+        z = torch.full_like(s, float(1 << (bits - 1)))
+    else:
+        z = torch.clamp(torch.round(-lo / safe), 0, qmax)
+    q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)
+    codes = q.to(torch.uint8).reshape(m, out, inn)
+    deq = q.sub_(z[..., None]).mul_(s[..., None])  # (q − z)·s, as dequantize computes it
+    num = deq.view(m, -1).sub_(w.reshape(m, -1)).norm(dim=1)
+    return codes, scales, None if symmetric else z.to(torch.uint8), num / den
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`~moecompress.layouts.bitpack.pack_bits` of ``uint8`` codes known to fit ``bits`` (the output
+    of :func:`quantize`): the same bytes; 2 and 4 bits are packed in ``uint8`` shifts without the
+    range check and the int32 words, other widths (and rows that do not fill whole bytes) by ``pack_bits``."""
+    per = 8 // bits if bits in (2, 4) else 0
+    if not per or codes.dtype != torch.uint8 or codes.shape[-1] % per:
+        return pack_bits(codes, bits)
+    *lead, n = codes.shape
+    c = codes.reshape(*lead, n // per, per)
+    out = c[..., 0].clone()
+    for j in range(1, per):
+        out |= c[..., j] << (j * bits)
+    return out

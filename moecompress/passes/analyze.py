@@ -20,7 +20,7 @@ import math
 
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec
 from moecompress.ir import MoELayer
 
 
@@ -96,5 +96,5 @@ def analyze(layer: MoELayer, stats: LayerStats, cfg: AnalyzeConfig) -> tuple[MoE
 SPEC = PassSpec(
     "analyze", AnalyzeConfig, analyze,
     needs={"expert_counts", "router_prob_mean", "router_entropy", "expert_out_norm_mean"},
-    summarize=_summarize, report_only=True,
+    summarize=_summarize, report_only=True, chunking=Chunking("select"),
 )  # fmt: skip

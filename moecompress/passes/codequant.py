@@ -52,6 +52,7 @@ Example steps::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
@@ -211,6 +212,25 @@ def _emits(layer: MoELayer, cfg: CodequantConfig) -> MoELayer:
     return layer.replace(experts=bank, shared=shared)
 
 
+WORKSPACE_BYTES_PER_WEIGHT = 40
+"""What :func:`codequant` holds per quantised weight while it fine-tunes (every target projection at
+once): the float32 weights (4 bytes), the int64 codes and the best step's codes (8 + 8), the sorted
+reassignment rows (float32 values and int16 positions: 6), the next step's int64 codes (8), the decoded
+float32 weights of the forward and their gradient (4 + 4); rounded down from 42 (the rotated gate/up copy
+is counted apart). On the 4-layer checkpoint of ``benchmarks/peer_speed.py`` (100.7M routed weights per
+layer, 0.19 GiB in bf16) the run's RSS was 4.82 GiB 15 min into the run (its peak is at least that): about
+42 bytes per weight beyond the 0.6 GiB base, the layer and its rotated copy."""
+
+
+def _workspace(layer: MoELayer, cfg: CodequantConfig) -> int:
+    """Bytes :func:`codequant` allocates on ``layer`` beyond its input and output (the dry run's estimate):
+    :data:`WORKSPACE_BYTES_PER_WEIGHT` per quantised weight, and the rotated gate/up (in the layer's dtype)."""
+    weights = sum(math.prod(getattr(getattr(layer, b), n).shape) for b, n in _targets(layer, cfg))
+    bank = layer.experts
+    rotated = 0 if cfg.rotation == "none" else bank.gate.nbytes() + bank.up.nbytes()
+    return WORKSPACE_BYTES_PER_WEIGHT * weights + rotated
+
+
 def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple[MoELayer, dict]:
     """Rotation + per-row codebook quantisation of the routed experts (CodeQuant)."""
     _check(layer, cfg)
@@ -264,5 +284,5 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
 
 SPEC = PassSpec(
     "codequant", CodequantConfig, codequant, needs={"io_sample"}, emits=_emits, check=_check,
-    summarize=summarize_codequant,
+    summarize=summarize_codequant, workspace=_workspace,
 )  # fmt: skip

@@ -8,16 +8,19 @@ logits), ``hidden_mse`` (final hidden states), ``sft`` (next-token cross entropy
 (METHODS.md §6, with the ablation switches ``beta``, ``mask``, ``pretrain_projector``, ``fusion``).
 Training data: ``data`` (a calibration source; default the recipe's ``calibration.source``),
 ``samples`` sequences of ``seq_len`` tokens, the last ``holdout`` held back for the before/after loss
-and early stopping. No calibration statistics. See ``docs/training.md``.
+and early stopping. ``lr: auto`` picks the learning rate from ``lr_grid`` by short probe runs scored on
+those held-back sequences (never the evaluation text; :mod:`moecompress.training.lr_search`).
+No calibration statistics. See ``docs/training.md``.
 
 Example step::
 
     - distill: {method: kd, trainable: compressed, steps: 200, lr: 1.0e-4, batch: 4, seq_len: 256}
+    - distill: {method: sft, steps: 200, lr: auto}   # lr from lr_grid by the held-back loss
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -39,10 +42,27 @@ class DistillConfig(PassConfig):
     token_rounding: TokenRounding | None = Field(
         None, description="SonicMoE token rounding in the student's training forward (default: exact top-k)"
     )
-    lora_rank: int = Field(8, ge=1, description="lora: rank r of each expert's LoRA")
+    target: Literal["experts", "attention_routed", "attention"] = Field(
+        "experts", description="lora: experts: per-expert LoRA merged into the experts; attention_routed: "
+        "LoRA-Mixer routed LoRA experts on the attention projections, stored as adapters; attention: plain "
+        "LoRA on the same projections at equal trainable parameters, merged"
+    )
+    lora_rank: int = Field(8, ge=1, description="lora: rank r of each LoRA (attention: of each routed expert)")
     lora_alpha: float = Field(16.0, gt=0, description="lora: the delta is scaled by alpha / r")
+    lora_experts: int = Field(4, ge=1, description="attention_routed: LoRA experts per projection")
+    lora_top_k: int = Field(2, ge=1, description="attention_routed: LoRA experts each token uses")
+    lora_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
+        description="attention targets: the attention's linear projections that get LoRA",
+    )  # fmt: skip
     steps: int = Field(100, ge=0, description="optimiser steps")
-    lr: float = Field(1e-4, ge=0, description="AdamW learning rate")
+    lr: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        1e-4, description="AdamW learning rate, or auto: the lr_grid value with the lowest held-back loss"
+    )
+    lr_grid: tuple[Annotated[float, Field(gt=0)], ...] = Field(
+        (1e-4, 3e-4, 1e-3, 3e-3), min_length=1, description="lr: auto: the candidates"
+    )
+    lr_probe_steps: int = Field(0, ge=0, description="lr: auto: steps per candidate (0: steps // 4, at least 1)")
     batch: int = Field(4, ge=1, description="sequences per step")
     seq_len: int = Field(256, ge=2, description="tokens per sequence")
     samples: int = Field(64, ge=2, description="sequences drawn from data (training + held back)")
@@ -68,6 +88,10 @@ class DistillConfig(PassConfig):
     def _holdout_fits(self) -> DistillConfig:
         if self.holdout >= self.samples:
             raise ValueError(f"holdout={self.holdout} must be smaller than samples={self.samples}")
+        if self.target != "experts" and self.trainable != "lora":
+            raise ValueError(f"target={self.target} needs trainable: lora (or the lora_heal step)")
+        if self.lora_top_k > self.lora_experts:
+            raise ValueError(f"lora_top_k={self.lora_top_k} exceeds lora_experts={self.lora_experts}")
         return self
 
 
@@ -83,7 +107,7 @@ def check(layer, cfg: DistillConfig) -> None:
     if cfg.token_rounding is not None and (spec.gating.value != "softmax_topk" or spec.n_group is not None):
         raise PassError(f"token_rounding needs a softmax top-k router without expert groups (this layer's "
                         f"gating is {spec.gating.value}); remove token_rounding")  # fmt: skip
-    if cfg.trainable == "lora":
+    if cfg.trainable == "lora" and cfg.target == "experts":
         from moecompress.training.lora import lora_problem
 
         why = lora_problem(layer)

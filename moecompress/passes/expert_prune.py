@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer, RouterSpec
 from moecompress.layouts.base import Layout
@@ -257,4 +257,5 @@ def expert_prune(layer: MoELayer, stats: LayerStats, cfg: ExpertPruneConfig) -> 
 SPEC = PassSpec(
     "expert_prune", ExpertPruneConfig, expert_prune, needs=NEEDS, emits=_emits, check=_check,
     summarize=_summarize, needs_fn=lambda cfg: {"expert_counts", *([STAT[cfg.method]] if cfg.method in STAT else [])},
+    chunking=Chunking("select"),
 )  # fmt: skip

@@ -41,14 +41,17 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.ir import MoELayer
 from moecompress.methods.widths import Scope, exempt_widths, select_widths
 from moecompress.passes.neuron_pruning import (
     NeuronPruneOptions,
     check_prunable,
+    merge_pruning,
     prune,
     pruned_shape,
+    pruning_kind,
+    refuse_layer_ranking,
     summarize_pruning,
 )
 
@@ -83,4 +86,5 @@ def heapr(layer: MoELayer, stats: LayerStats, cfg: HeaprConfig) -> tuple[MoELaye
 SPEC = PassSpec(
     "heapr", HeaprConfig, heapr, needs=NEEDS, emits=pruned_shape, check=check_prunable, plan=_plan,
     summarize=summarize_pruning,
+    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind),
 )  # fmt: skip

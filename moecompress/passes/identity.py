@@ -13,7 +13,7 @@ Example step::
 
 from __future__ import annotations
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec
 from moecompress.ir import MoELayer
 
 
@@ -26,4 +26,4 @@ def identity(layer: MoELayer, stats: LayerStats, cfg: IdentityConfig) -> tuple[M
     return layer, {}
 
 
-SPEC = PassSpec("identity", IdentityConfig, identity)
+SPEC = PassSpec("identity", IdentityConfig, identity, chunking=Chunking("select"))

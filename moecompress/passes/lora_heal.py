@@ -1,11 +1,19 @@
-"""``lora_heal``: heal a compressed model with per-expert LoRA adapters on its compressed experts
-(LoRA-Mixer-style healing, METHODS.md §10), trained with the ``distill`` losses and merged back into
-the stored tensors — exactly, since only dense and ragged experts are accepted (the dry run refuses
-other layouts). A whole-model stage (``docs/training.md``); no calibration statistics.
+"""``lora_heal``: heal a compressed model with LoRA adapters trained with the ``distill`` losses
+(METHODS.md §10; a whole-model stage, ``docs/training.md``; no calibration statistics). ``target``:
 
-Example step::
+- ``experts`` (default): per-expert LoRA on the compressed experts, ``ΔW_e = (α/r)·B_e A_e``, merged
+  back into the stored tensors exactly (dense and ragged experts only; the dry run refuses others);
+- ``attention_routed`` (LoRA-Mixer): ``lora_experts`` LoRA experts per attention projection
+  (``lora_modules``) and a router picking ``lora_top_k`` of them per token,
+  ``y = W x + (α/r)·Σ_{e∈topK} softmax(R x)_e B_e A_e x``; input-dependent, so stored as adapters
+  (``adapters/lora_mixer.safetensors`` + a ``config.json`` block) that ``moecompress.load`` wraps in;
+- ``attention``: the baseline, one plain LoRA per projection at equal trainable parameters
+  (``r' = round((E·r·(in+out) + E·in)/(in+out))``), merged into the weights: a stock output.
 
-    - lora_heal: {method: kd, lora_rank: 8, steps: 200, lr: 1.0e-3}
+``B = 0`` at the start, so the first forward is the compressed model's, bit for bit. Any expert
+layout works with the attention targets. Example step::
+
+    - lora_heal: {method: kd, target: attention_routed, lora_experts: 4, lora_top_k: 2, lora_rank: 8, lr: auto}
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from moecompress.passes.distill import STAGE, DistillConfig, check
 
 
 class LoraHealConfig(DistillConfig):
-    trainable: Literal["lora"] = Field("lora", description="always lora: per-expert LoRA merged back")
+    trainable: Literal["lora"] = Field("lora", description="always lora (target says where)")
 
 
 def lora_heal(layer, stats, cfg: LoraHealConfig):
-    """Heal the compressed experts with merged per-expert LoRA adapters: a whole-model stage."""
+    """Heal the compressed model with LoRA adapters (experts, routed attention or plain attention): a
+    whole-model stage."""
     from moecompress.passes.distill import distill
 
     return distill(layer, stats, cfg)

@@ -32,15 +32,18 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 from moecompress.methods.widths import neuron_norms
 from moecompress.passes.neuron_pruning import (
     NeuronPruneOptions,
     check_prunable,
+    merge_pruning,
     prune,
     pruned_shape,
+    pruning_kind,
+    refuse_layer_ranking,
     summarize_pruning,
 )
 
@@ -89,4 +92,5 @@ SPEC = PassSpec(
     "neuron_prune", NeuronPruneConfig, neuron_prune, needs=NEEDS, emits=pruned_shape, check=check_prunable,
     summarize=summarize_pruning,
     needs_fn=lambda cfg: {"expert_counts"} if cfg.method == "magnitude" else NEEDS,
+    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind),
 )  # fmt: skip

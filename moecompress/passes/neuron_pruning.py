@@ -31,12 +31,12 @@ with protected experts becomes ragged (protected experts keep full width).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig
+from moecompress.engine.spec import LayerStats, PassConfig, shifted_ids
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.base import meta_tensor
@@ -255,3 +255,58 @@ def one_width_members(layer: MoELayer, step: str, verb: str) -> tuple[list[int],
         )
     return members, protected, widths.pop() if widths else bank.width
 
+
+# -- by chunks of experts (engine/chunks.py) ----------------------------------------------------------
+def pruning_kind(shell: MoELayer, stats: LayerStats, cfg: Any) -> str:
+    """What a neuron-pruning step (:mod:`moecompress.passes.neuron_pruning`) makes of the whole layer,
+    from its statistics alone: ``unchanged``, ``dense`` (one narrower width) or ``ragged``."""
+    bank = shell.experts
+    e, width = bank.num_experts, bank.width
+    protected = {shell.physical(p) for p in shell.protected}
+    if isinstance(stats.plan, torch.Tensor):
+        widths = stats.plan.clone().to(torch.int64)
+    else:
+        magnitude = getattr(cfg, "method", None) == "magnitude"
+        counts = torch.ones(e) if magnitude else stats["expert_counts"]
+        fixed, _ = exempt_widths(torch.zeros(e, width, dtype=torch.float64), counts, protected, cfg)
+        widths = torch.full((e,), uniform_width(width, cfg), dtype=torch.int64)
+        for x, w in fixed.items():
+            widths[x] = w
+    for x in protected:
+        widths[x] = width
+    if bool((widths == width).all()):
+        return "unchanged"
+    same = cfg.layout == "uniform" and bool((widths == widths[0]).all())
+    return "dense" if same else "ragged"
+
+
+def refuse_layer_ranking(cfg: Any) -> str | None:
+    """``heapr``/``neuron_prune`` with ``layout: ragged`` and no cross-layer plan rank the neurons of all
+    experts of a layer together: not by chunks."""
+    if cfg.layout == "uniform" or getattr(cfg, "scope", "layer") == "global":
+        return None
+    field = type(cfg).model_fields.get("scope")
+    fix = (
+        "scope: global or layout: uniform"
+        if field is not None and "global" in str(field.annotation)
+        else "layout: uniform"
+    )
+    return f"ranks the neurons of all experts of a layer together (layout: ragged, scope: layer); use {fix}"
+
+
+def merge_pruning(infos: list[dict], bnds: list[tuple[int, int]], cfg: Any) -> dict:
+    """A neuron-pruning step's layer info (``neuron_pruning.layer_info``) from its chunks'."""
+    total = sum(i["neurons_total"] for i in infos)
+    removed = sum(i["neurons_removed"] for i in infos)
+    out = {
+        "widths": [w for i in infos for w in i["widths"]],
+        "neurons_total": total,
+        "neurons_removed": removed,
+        "routed_params_removed": sum(i["routed_params_removed"] for i in infos),
+        "fraction_removed": removed / max(total, 1),
+        "unseen_experts": shifted_ids(infos, bnds, "unseen_experts"),
+        "protected": shifted_ids(infos, bnds, "protected"),
+        "empty_experts": shifted_ids(infos, bnds, "empty_experts"),
+    }
+    rest = {k: v for k, v in infos[0].items() if k not in out}
+    return {**out, **rest}

@@ -38,19 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
-from moecompress.layouts.bitpack import pack_bits, packed_size
+from moecompress.layouts.bitpack import packed_size
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.rtn import RTN
-from moecompress.methods.scalar_quant import dequantize, group_width, quantize
+from moecompress.methods.scalar_quant import group_width, pack_codes, quantize_with_error
 
 PROJ = ("gate", "up", "down")
 
@@ -119,6 +119,10 @@ def _largest_divisor(sizes: list[int], limit: int) -> int:
     return max(d for d in range(1, min(g, limit) + 1) if g % d == 0)
 
 
+INNER_CHUNK = 8
+"""Experts quantised at once by :func:`quantize_bank` (its ``chunk``)."""
+
+
 def quantize_bank(
     w: torch.Tensor, bits: int, gs: int, symmetric: bool, protected: frozenset[int], chunk: int = 8
 ) -> tuple[RTN, list[float]]:
@@ -136,13 +140,9 @@ def quantize_bank(
     zeros = [w.new_zeros(0, out, g, dtype=torch.uint8)]
     errors: list[float] = []
     for a in range(0, len(ids), chunk):
-        ref = w[ids[a : a + chunk]]
-        q, s, z = quantize(ref, bits, gs, symmetric)
-        deq = dequantize(q, s, z, bits)
-        ref = ref.float()
-        num = (deq.sub_(ref)).flatten(1).norm(dim=1)
-        errors += (num / ref.flatten(1).norm(dim=1).clamp_min(1e-30)).tolist()
-        codes.append(pack_bits(q, bits))
+        q, s, z, err = quantize_with_error(w[ids[a : a + chunk]], bits, gs, symmetric)
+        errors += err.tolist()
+        codes.append(pack_codes(q, bits))
         scales.append(s)
         zeros.append(z)  # type: ignore[arg-type]
     dense = w[rest].clone() if rest else w.new_zeros(0, out, inn)
@@ -172,7 +172,7 @@ def rtn(layer: MoELayer, stats: LayerStats, cfg: RtnConfig) -> tuple[MoELayer, d
     new, errors, params, gs = {}, {}, 0, group_size(layer, cfg)
     for name in PROJ:
         w = getattr(bank, name).dense()
-        lay, errs = quantize_bank(w, cfg.bits, gs, cfg.symmetric, protected)
+        lay, errs = quantize_bank(w, cfg.bits, gs, cfg.symmetric, protected, INNER_CHUNK)
         errors[name] = sum(errs) / len(errs) if errs else 0.0
         new[name] = lay
         params += w.numel()
@@ -227,6 +227,41 @@ def summarize_rtn(infos: dict[int, dict], cfg: RtnConfig) -> dict:
     }
 
 
+def merge_rtn(infos: list[dict], bnds: list[tuple[int, int]], cfg: Any) -> dict:
+    """``rtn``'s layer info from its chunks' (the mean errors weighted by the chunks' quantised experts)."""
+    n = sum(i["quantised_experts"] for i in infos)
+    params = sum(i["routed_params"] for i in infos)
+    after = sum(i["bytes_after"] for i in infos)
+    errors = {
+        p: sum(i["rel_error"][p] * i["quantised_experts"] for i in infos) / n if n else 0.0
+        for p in infos[0]["rel_error"]
+    }
+    return {
+        **infos[0],
+        "protected": shifted_ids(infos, bnds, "protected"),
+        "quantised_experts": n,
+        "routed_params": params,
+        "bytes_before": sum(i["bytes_before"] for i in infos),
+        "bytes_after": after,
+        "bytes_per_param": after / params if params else 0.0,
+        "rel_error": errors,
+    }
+
+
+def _workspace(layer: MoELayer, cfg: RtnConfig) -> int:
+    """Bytes :func:`rtn` allocates beyond its input and output (the dry run's estimate): per
+    :data:`INNER_CHUNK` experts of the largest projection, their gathered copy (the stored dtype), the
+    float32 working copy and one float32 temporary, and the uint8 codes; then the packed codes of one
+    projection twice while the chunks are concatenated."""
+    bank = layer.experts
+    shapes = [getattr(bank, p).shape for p in PROJ]
+    worst = max(out * inn for _, out, inn in shapes)
+    size = getattr(bank, PROJ[0]).dtype.itemsize
+    inner = min(INNER_CHUNK, bank.num_experts) * worst * (size + 4 + 4 + 1)
+    return inner + 2 * bank.num_experts * worst * cfg.bits // 8
+
+
 SPEC = PassSpec(
-    "rtn", RtnConfig, rtn, emits=_emits, check=check_quantizable, summarize=lambda infos, cfg: summarize_rtn(infos, cfg)
+    "rtn", RtnConfig, rtn, emits=_emits, check=check_quantizable, summarize=lambda infos, cfg: summarize_rtn(infos, cfg),
+    chunking=Chunking("expert", merge=merge_rtn), workspace=_workspace,
 )

@@ -33,7 +33,7 @@ import math
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 
@@ -143,5 +143,5 @@ def _emits(layer: MoELayer, cfg: SuperExpertsConfig) -> MoELayer:
 
 SPEC = PassSpec(
     "protect_super_experts", SuperExpertsConfig, protect_super_experts, needs=NEEDS, emits=_emits, check=_check,
-    plan=_plan, protects=lambda d: [*d["auto"], *d["manual"]], summarize=_summarize,
+    plan=_plan, protects=lambda d: [*d["auto"], *d["manual"]], summarize=_summarize, chunking=Chunking("select"),
 )  # fmt: skip

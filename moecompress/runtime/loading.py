@@ -47,6 +47,9 @@ def load(
     )
     if adapter is not None:
         refuse_missing(adapter, info.get("missing_keys", ()), directory)
+    from moecompress.runtime.lora_mixer import attach_adapters
+
+    attach_adapters(model, directory)  # routed LoRA adapters (lora_heal target: attention_routed), if stored
     if routing is not None:
         set_routing(model, routing)
     if dequantize is not None:

@@ -66,7 +66,15 @@ def _digest(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def _parameters(model, moes, cfg) -> list[torch.nn.Parameter]:
+def _parameters(model, moes, cfg, ckpt) -> tuple[list[torch.nn.Parameter], dict]:
+    """The trainable parameters; and the attention LoRA wrappers by name (``target`` attention*)."""
+    if cfg.trainable == "lora" and cfg.target != "experts":
+        from moecompress.training.attention_lora import attach
+
+        keys = set(ckpt.reader.keys)
+        stored = {k: ckpt.reader.torch_dtype(k) for k in keys if k.endswith(".weight") and "attn" in k}
+        mods, params = attach(model, cfg, stored)
+        return params, mods
     trainable, out = cfg.trainable, []
     for i, moe in moes.items():
         if trainable == "lora":
@@ -78,7 +86,7 @@ def _parameters(model, moes, cfg) -> list[torch.nn.Parameter]:
                 out.append(p)
     if trainable == "all":
         out += list(non_moe_parameters(model).values())
-    return out
+    return out, {}
 
 
 def run_distill(job) -> dict:
@@ -101,17 +109,38 @@ def run_distill(job) -> dict:
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
         raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
-    objective = Objective(cfg, d_s, d_t, teacher_model.get_output_embeddings(), cfg.seed).to(device)
-    objective.bind_student_head(student.get_output_embeddings())
-    params = _parameters(student, moes, cfg)
+
+    def make_objective(c=cfg) -> Objective:
+        obj = Objective(c, d_s, d_t, teacher_model.get_output_embeddings(), c.seed).to(device)
+        obj.bind_student_head(student.get_output_embeddings())
+        return obj
+
+    params, mods = _parameters(student, moes, cfg, student_ck)
+    searched = []
+    if cfg.lr == "auto":
+        from moecompress.training.lr_search import choose_lr
+
+        lr, searched = choose_lr(student, moes, params, make_objective, teacher, train_ids, hold_ids, cfg,
+                                 device=device)  # fmt: skip
+        cfg = cfg.model_copy(update={"lr": lr})
     state = None if job.state_dir is None else Path(job.state_dir)
-    res = train(student, moes, params, objective, teacher, train_ids, hold_ids, cfg, device=job.device,
+    res = train(student, moes, params, make_objective(cfg), teacher, train_ids, hold_ids, cfg, device=job.device,
                 progress=job.progress, state_dir=state)  # fmt: skip
     trained = non_moe_parameters(student) if cfg.trainable == "all" else {}
-    write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size)
+    adapters = None
+    if mods:
+        from moecompress.training.attention_lora import adapter_payload, merged_weights
+
+        trained = merged_weights(mods)
+        adapters = adapter_payload(mods, cfg) if cfg.target == "attention_routed" else None
+    write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size,
+                  adapters=adapters)  # fmt: skip
     summary = {
         "method": cfg.method,
         "trainable": cfg.trainable,
+        "target": cfg.target if cfg.trainable == "lora" else None,
+        "lr": cfg.lr,
+        "lr_search": searched,
         "trainable_params": sum(p.numel() for p in params),
         "steps": res.steps,
         "stopped_early": res.stopped_early,

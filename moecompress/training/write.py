@@ -5,13 +5,18 @@ layer boundaries): each MoE layer is :meth:`LayoutMoE.layer` encoded with
 :func:`moecompress.io.format.encode_layer`; every other tensor is copied from the input, or taken from
 the trained model (in its stored dtype) when ``trained`` holds it (``trainable: all``). The config,
 tokenizer and licence files follow the input (:func:`moecompress.io.checkpoint.provenance_block`).
+``adapters`` (``lora_heal`` with ``target: attention_routed``): ``(tensors, config block)`` — the
+tensors go to their own safetensors file inside the checkpoint (not a shard), the block into
+``config.json``, in the same atomic commit (:mod:`moecompress.runtime.lora_mixer`).
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from moecompress.io.checkpoint import Checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, layer_shape
@@ -27,6 +32,7 @@ def write_trained(
     out_dir: Path,
     *,
     max_shard_size: int | str = "5GB",
+    adapters: tuple[dict[str, torch.Tensor], dict] | None = None,
 ) -> Path:
     """Write the trained student of ``ckpt`` into ``out_dir`` (atomically); returns it."""
     descs: dict[int, dict | None] = {}
@@ -62,5 +68,12 @@ def write_trained(
             ckpt.raw_config, descs, shapes, adapter=ckpt.adapter,
             provenance=provenance_block(ckpt.raw_config.get("moecompress"), protected, routing),
         )  # fmt: skip
+        if adapters is not None:
+            tensors, block = adapters
+            (name,) = {b["file"] for b in block.values()}
+            with tempfile.TemporaryDirectory() as tmp:
+                save_file(tensors, str(Path(tmp) / "a.safetensors"))
+                writer.copy_file(Path(tmp) / "a.safetensors", name)
+            cfg = {**cfg, **block}
         writer.write_json("config.json", cfg)
         return writer.commit()

@@ -1,0 +1,258 @@
+"""Expert-chunked calibration: an MoE decoder layer run while holding only a chunk of its experts.
+
+Every supported decoder layer adds its MoE block's output to the residual stream last
+(``out = h1 + MoE(u)``, ``h1`` the residual after attention, ``u`` the post-attention norm of it;
+``tests/test_chunked_calibration.py`` checks it for every adapter). So a layer listed in
+``RunContext.expert_chunks`` runs in two phases, holding the layer's *shell*
+(:meth:`~moecompress.io.checkpoint.Checkpoint.read_layer_shell`: router, score bias, shared expert) and
+one chunk of experts (:meth:`~moecompress.io.checkpoint.Checkpoint.read_experts`) at a time:
+
+**Forward.** transformers' decoder layer runs every batch with its MoE block replaced (on our own module
+instance) by :class:`RecordingMoE`, which keeps ``u_b`` and returns zeros, so the layer returns ``h1_b``.
+The router runs once per batch (``on_input``/``on_route``); then chunks outer, batches inner (each chunk
+is read once per sweep), every chunk's experts add their weighted partials to the batch's fp32
+accumulators (:func:`~moecompress.reference.expert_partials`, in the whole-layer order, so the sums are
+bit-identical) with the collector's ``on_expert`` for those experts; last, per batch, the shared expert,
+the cast, ``on_output``, and the layer output ``h1_b + moe_b``. Statistics equal the whole layer's bit for
+bit except the sums pooled over experts (``down_in_cov_pooled``: the same float64 terms in another order).
+
+**Backward** (reversed layers, the incoming gradient ``g_b`` w.r.t. the layer output). ``u_b`` is
+recomputed (recorder, no grad) and routed once; for each chunk (read once) and batch, the chunk's
+contributions are recomputed from a leaf ``u_b`` and a leaf of the routing weights and back-propagated
+with ``g_b`` (the collector's hooks give the chunk experts' gradient statistics); the shared expert once;
+then the router once from the summed weight gradients. The sum over chunks of these VJPs is the MoE's VJP
+``gu_b`` (linearity). Last, per batch, the decoder layer is recomputed with the recorder and grad from
+``x_b``, and ``backward([h1_b, u_b], [g_b, gu_b])`` gives ``x_b``'s gradient, the next layer's ``g``.
+Gradient statistics equal the whole layer's bit for bit, except ``down_in_grad_cov_pooled`` (order) and
+what flows through ``gu_b`` into earlier layers (the same terms summed in another order).
+
+Held, besides the shell and one chunk: every batch's ``u_b`` and ``h1_b`` and the fp32 accumulators
+(forward), ``u_b`` and fp32 ``gu_b`` (backward); ``engine/resources.py`` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+from moecompress.calibration.skeleton import check_bank_finite, check_finite, run_batch, to_device
+from moecompress.calibration.stats import StatsCollector
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.reference import expert_partials, physical_ids, route_logits, shared_forward
+
+
+class RecordingMoE(nn.Module):
+    """MoE block stand-in: keeps its input (``seen``) and returns zeros, so the decoder layer returns the
+    residual stream before the MoE output is added."""
+
+    def __init__(self, returns_tuple: bool = False) -> None:
+        super().__init__()
+        self.returns_tuple = returns_tuple
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor):
+        self.seen = hidden_states
+        zero = torch.zeros_like(hidden_states)
+        return (zero, None) if self.returns_tuple else zero
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def ready_bank(bank: ExpertBank, dtype: torch.dtype, device: torch.device) -> ExpertBank:
+    """``bank`` in the compute dtype on ``device`` (what ``cast_layer`` and ``layer_to`` do to a layer)."""
+    return dataclasses.replace(
+        bank,
+        gate=bank.gate.cast(dtype).to(device),
+        up=bank.up.cast(dtype).to(device),
+        down=bank.down.cast(dtype).to(device),
+        widths=_to(bank.widths, device),
+        biases={k: v.to(device=device, dtype=dtype) for k, v in bank.biases.items()},
+        rotation=_to(bank.rotation, device),
+    )
+
+
+def ready_shell(shell: MoELayer, dtype: torch.dtype, device: torch.device) -> MoELayer:
+    """The shell (routed experts on ``meta``) in the compute dtype on ``device`` (as ``cast_layer`` and
+    ``layer_to`` make a whole layer; ``score_bias`` keeps its dtype); its experts stay meta."""
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return shell.replace(
+        shared=None if shell.shared is None else ready_bank(shell.shared, dtype, device),
+        router_weight=cast(shell.router_weight),
+        router_bias=cast(shell.router_bias),
+        score_bias=_to(shell.score_bias, device),
+        shared_gate=cast(shell.shared_gate),
+        expert_map=_to(shell.expert_map, device),
+        routing_similarity=_to(shell.routing_similarity, device),
+    )
+
+
+class ChunkedLayer:
+    """MoE layer ``i`` of ``skel``'s checkpoint in chunks of ``size`` experts."""
+
+    def __init__(self, skel, i: int, size: int) -> None:
+        self.skel, self.i = skel, i
+        self.dtype, self.device = skel.dtype, skel.device
+        shell = skel.ckpt.read_layer_shell(i)
+        check_finite(shell, experts=False)
+        self.shell = ready_shell(shell, self.dtype, self.device)
+        e = shell.experts.num_experts
+        self.ranges = [(a, min(a + size, e)) for a in range(0, e, size)]
+        self.recorder = RecordingMoE(skel.ckpt.adapter.module_returns_tuple)
+
+    def collector(self, needs, sample_tokens: int = 512) -> StatsCollector:
+        return StatsCollector(self.shell, needs, sample_tokens)
+
+    def chunks(self, check: bool):
+        """``(first expert, bank)`` for every chunk, each read (and checked) when it is reached."""
+        for a, b in self.ranges:
+            bank = self.skel.ckpt.read_experts(self.i, a, b)
+            if check:
+                check_bank_finite(self.i, bank, first=a)
+            yield a, ready_bank(bank, self.dtype, self.device)
+            del bank
+
+    def module(self) -> nn.Module:
+        return self.skel.layer(self.i, block=self.recorder)
+
+    def route(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits, ids, weights, physical ids)`` of one batch's MoE input ``u`` ``[T, H]``."""
+        logits, ids, w = route_logits(self.shell, u)
+        return logits, ids, w, physical_ids(ids, self.shell.router.num_experts, self.shell.expert_map)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: list[bool], needs,
+                  sample_tokens: int, keep_inputs: bool) -> tuple[list[torch.Tensor], StatsCollector]:  # fmt: skip
+    """Layer ``i``'s outputs for every batch of ``hidden`` and its forward statistics' collector.
+    ``hidden[b]`` is released (set to ``None``) once recorded unless ``keep_inputs``."""
+    layer = ChunkedLayer(skel, i, size)
+    col, dev, cpu = layer.collector(needs, sample_tokens), skel.device, torch.device("cpu")
+    mod = layer.module()
+    h1s, us = [], []
+    with torch.no_grad():
+        for b, x in enumerate(hidden):
+            args, kw = kwargs[b][i]
+            h1s.append(run_batch(mod, x, args, kw, dev))
+            us.append(_flat(layer.recorder.seen).to(cpu))
+            layer.recorder.seen = None
+            if not keep_inputs:
+                hidden[b] = None
+        del mod
+        states, phys, outs, accs = [], [], [], []
+        for b, u in enumerate(us):  # the router once per batch, in batch order (token offsets, samples)
+            col.mode = "holdout" if holdout[b] else "stats"
+            u = u.to(dev)
+            col.on_input(u)
+            logits, ids, w, p = layer.route(u)
+            col.on_route(logits, ids, w)
+            states.append(col.batch_state())
+            phys.append(p)
+            outs.append(torch.zeros(u.shape, dtype=torch.float32, device=dev))
+            accs.append({"out": outs[-1]})  # one fp32 accumulator: 0 + (0 + partials) == 0 + partials, bit for bit
+        for first, bank in layer.chunks(check=True):  # chunks outer: each is read once
+            for b, u in enumerate(us):
+                col.mode = "holdout" if holdout[b] else "stats"
+                u = u.to(dev)
+                col.resume_batch(states[b], u)
+                _, _, w = states[b]
+                expert_partials(bank, u, phys[b], w, outs[b], accs[b], col, first)
+            del bank
+        result = []
+        for b, u in enumerate(us):
+            col.mode = "holdout" if holdout[b] else "stats"
+            u = u.to(dev)
+            col.resume_batch(states[b], u)
+            out = outs[b]
+            for space, value in accs[b].items():
+                if value is not out:
+                    out += layer.shell.experts.down.decode(space, value).float()
+            if layer.shell.shared is not None:
+                out = out + shared_forward(layer.shell, u, col)
+            moe = out.to(u.dtype)
+            col.on_output(moe)
+            h1 = h1s[b]
+            result.append(h1 + to_device(moe, cpu).reshape(h1.shape))
+            h1s[b] = us[b] = outs[b] = accs[b] = None
+    return result, col
+
+
+def _chunk_output(shell: MoELayer, bank: ExpertBank, first: int, phys, w, col, u: torch.Tensor) -> torch.Tensor:
+    """The part of the MoE output ``[T, H]`` (fp32) of the experts in ``bank`` (from expert ``first``)."""
+    out, acc = torch.zeros(u.shape, dtype=torch.float32, device=u.device), {}
+    expert_partials(bank, u, phys, w, out, acc, col, first)
+    for space, value in acc.items():
+        out = out + shell.experts.down.decode(space, value).float()
+    return out
+
+
+def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: dict, needs) -> StatsCollector:
+    """The streamed backward through chunked layer ``i``: ``grads[b]`` (w.r.t. its output) become the
+    gradients w.r.t. its input ``inputs[b]``; returns the gradient statistics' collector."""
+    layer = ChunkedLayer(skel, i, size)
+    col, dev, cpu = layer.collector(needs), skel.device, torch.device("cpu")
+    col.mode = "backward"
+    mod = layer.module()
+    us, phys, weights, wgrad, gu = {}, {}, {}, {}, {}
+    with torch.no_grad():
+        for b in grads:
+            args, kw = kwargs[b][i]
+            run_batch(mod, inputs[b], args, kw, dev)
+            us[b] = _flat(layer.recorder.seen).to(cpu)
+            layer.recorder.seen = None
+            _, _, weights[b], phys[b] = layer.route(us[b].to(dev))
+            wgrad[b] = torch.zeros_like(weights[b])
+            gu[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
+    mod = None  # not held while the chunks are: read again for the last recomputation
+
+    def vjp(b: int, fn) -> None:
+        """Back-propagate ``g_b`` through ``fn(u leaf)`` (fp32 ``[T, H]``, a part of the MoE output)."""
+        u = us[b].detach().to(dev).requires_grad_(True)
+        with torch.enable_grad():
+            part = fn(u)
+            if part.requires_grad:
+                part.backward(_flat(grads[b]).to(dev).float())
+        if u.grad is not None:
+            gu[b] += u.grad.float()
+
+    for first, bank in layer.chunks(check=False):
+        for b in grads:
+            wl = weights[b].detach().requires_grad_(True)
+            vjp(b, functools.partial(_chunk_output, layer.shell, bank, first, phys[b], wl, col))
+            if wl.grad is not None:
+                wgrad[b] += wl.grad
+        del bank
+    for b in grads:
+        if layer.shell.shared is not None:
+            vjp(b, lambda u: shared_forward(layer.shell, u, col))
+        u = us[b].detach().to(dev).requires_grad_(True)  # the router, once, from the summed weight gradients
+        with torch.enable_grad():
+            _, _, w, _ = layer.route(u)
+            if w.requires_grad:
+                w.backward(wgrad[b])
+        if u.grad is not None:
+            gu[b] += u.grad.float()
+        col.on_output_grad(grads[b].to(dev))
+        us[b] = wgrad[b] = None
+    mod = layer.module()
+    for b in grads:
+        x = inputs[b].detach().to(dev).requires_grad_(True)
+        args, kw = to_device(kwargs[b][i], dev)
+        with torch.enable_grad():
+            out = mod(x, *args, **kw)
+            u = layer.recorder.seen
+            layer.recorder.seen = None
+            torch.autograd.backward([out, u], [grads[b].to(dev), gu[b].to(u.dtype).reshape(u.shape)])
+        grads[b] = x.grad.cpu()
+        gu[b] = None
+    return col

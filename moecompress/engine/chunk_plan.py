@@ -1,0 +1,153 @@
+"""Which MoE layers a run holds by chunks of experts, how many experts at a time, and what a step needs
+then: the dry run's part of ``expert_chunk`` (``auto | off | N``).
+
+- ``N``: every layer with more than ``N`` routed experts, ``N`` at a time; ``off``: none;
+- ``auto``: the layers whose whole-layer estimate of some step (:func:`moecompress.engine.resources.step_peak`)
+  exceeds the memory limit (``calibration.memory_limit``, else what the machine has available), with the
+  largest chunk whose estimate fits (balanced: ``ceil(E / chunks)``).
+
+A chunked layer's step estimate is the same :func:`step_peak` on a chunk's sub-layer (its experts, router
+rows and the shared expert), plus the rest of the shell (the router's other rows) and the running sums of
+the reconstruction error. Steps that need every expert at once (no ``PassSpec.chunking``) are refused on a
+chunked layer here, with the figure they need whole and the fix; so is ``calibration.propagate:
+compressed``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moecompress.engine import chunks, resources
+from moecompress.engine.recipe import Recipe
+from moecompress.errors import MoecompressError, RecipeError
+from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.writer import parse_size
+from moecompress.ir import MoELayer
+
+GiB = resources.GiB
+
+
+def memory_limit(recipe: Recipe) -> int | None:
+    """``calibration.memory_limit``, else the memory available on this machine (``None``: unknown)."""
+    c = recipe.calibration
+    return parse_size(c.memory_limit) if c.memory_limit is not None else resources.available_memory()
+
+
+def fixed_chunks(recipe: Recipe, ckpt: Checkpoint) -> dict[int, int]:
+    """``expert_chunk: N``: every layer (not stored in the moecompress format) with more than N experts."""
+    n = recipe.expert_chunk
+    if not isinstance(n, int):
+        return {}
+    return {i: n for i in ckpt.moe_layer_indices if i not in ckpt.layouts and ckpt.adapter.num_experts > n}
+
+
+def auto_chunk(
+    recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer, whole: int, dtype: torch.dtype, stats: int,
+    written: list, limit: int,
+) -> int | None:  # fmt: skip
+    """``auto``'s chunk size for layer ``i`` whose whole-layer estimate is ``whole`` (``None``: whole)."""
+    if whole <= limit or not chunkable(recipe, ckpt, i):
+        return None
+    size = auto_size(recipe, layer, dtype, stats, written, limit)
+    return size if size is not None and size < layer.experts.num_experts else None
+
+
+def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int) -> bool:
+    """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able)."""
+    return i not in ckpt.layouts and all(refusal(s) is None for s in recipe.steps)
+
+
+def calibration_cap(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit: int) -> int | None:
+    """``auto``: the largest number of experts per chunk, the same for every chunkable MoE layer, with which
+    calibration's estimate (:func:`resources.estimate`) fits ``limit``; ``None`` when calibration fits with
+    whole layers (or cannot fit even by single experts: :func:`resources.check` then refuses it)."""
+    if recipe.calibration.data_free:
+        return None
+    layers = [i for i in ckpt.moe_layer_indices if chunkable(recipe, ckpt, i)]
+
+    def need(n: int | None) -> int:
+        cut = {} if n is None else {i: n for i in layers}
+        return resources.estimate(recipe, ckpt, dtype, chunks=cut)["calibration_memory_bytes"]
+
+    if not layers or need(None) <= limit or need(1) > limit:
+        return None
+    lo, hi = 1, ckpt.adapter.num_experts
+    while lo < hi:  # the estimate grows with n: the largest n that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
+    return lo
+
+
+def refusal(step) -> str | None:
+    """Why ``step`` cannot run on a layer held by chunks (``None``: it can)."""
+    mode = step.spec.chunking
+    if mode is None:
+        return "needs every expert of the layer at once"
+    return mode.refuse(step.config) if mode.refuse is not None else None
+
+
+def chunk_peaks(
+    recipe: Recipe, layer: MoELayer, n: int, dtype: torch.dtype, stats: int, written: list
+) -> list[int]:
+    """Estimated peak bytes of every step on layer ``layer`` (``meta``) held by chunks of ``n`` experts."""
+    sub = chunks.sub_layer(layer, chunks.meta_bank(layer.experts, 0, n), 0)
+    rest = (layer.nbytes() - layer.experts.nbytes()) - (sub.nbytes() - sub.experts.nbytes())
+    c = recipe.calibration
+    sums = (
+        0 if c.data_free else (len(recipe.steps) + 1) * c.holdout_samples * c.seq_len * layer.hidden_size * 4
+    )
+    out, before = [], sub
+    for k, step in enumerate(recipe.steps):
+        after = before
+        if step.spec.chunking is not None and step.spec.chunking.mode == "expert":
+            try:
+                after = step.spec.emitted(before, step.config)
+            except MoecompressError:  # a shape rule meant for a whole layer: the chunk as an upper bound
+                after = before
+        work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
+        peak = resources.step_peak(before, after, dtype, stats, work, first=k == 0, written=step in written)
+        out.append(peak + rest + sums)
+        before = after
+    return out
+
+
+def auto_size(
+    recipe: Recipe, layer: MoELayer, dtype: torch.dtype, stats: int, written: list, limit: int
+) -> int | None:
+    """The largest balanced chunk whose every step estimate fits ``limit`` (``None``: not even one expert)."""
+    e = layer.experts.num_experts
+
+    def fits(n: int) -> bool:
+        return max(chunk_peaks(recipe, layer, n, dtype, stats, written), default=0) <= limit
+
+    if not fits(1):
+        return None
+    lo, hi = 1, e
+    while lo < hi:  # the estimate grows with n: the largest n that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    k = math.ceil(e / lo)
+    return math.ceil(e / k)
+
+
+def check_chunked(recipe: Recipe, i: int, n: int, whole: int, limit: int | None) -> None:
+    """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` held by
+    chunks of ``n`` experts, or a propagation of the compressed layers."""
+    how = f"expert_chunk: {recipe.expert_chunk} holds it by chunks of {n} experts"
+    for step in recipe.steps:
+        why = refusal(step)
+        if why is None:
+            continue
+        fit = "" if limit is None else f", {limit / GiB:.1f} GiB are available"
+        fix = ("set expert_chunk: off and run it on a machine with that much memory" if recipe.expert_chunk == "auto"
+               else "set expert_chunk: off (or auto: chunks only the layers that do not fit)")  # fmt: skip
+        raise RecipeError(
+            f"{step.label}, layer {i}: {why} (about {whole / GiB:.1f} GiB for the whole layer{fit}) but {how}; {fix}"
+        )
+    if recipe.calibration.propagate == "compressed":
+        raise RecipeError(
+            f"calibration.propagate: 'compressed' runs the steps on whole layers, but layer {i} is held by chunks of "
+            f"{n} experts ({how.split(' holds')[0]}); use propagate: original or expert_chunk: off"
+        )

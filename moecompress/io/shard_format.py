@@ -1,0 +1,96 @@
+"""The safetensors file format as :class:`~moecompress.io.writer.ShardWriter` writes it: the dtype order of a
+shard's tensors, the header block, and the byte ranges of a shard's data file (a tensor written in one
+piece or in segments, ``ShardWriter.append``) copied into the shard in the kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import TensorSpec
+
+from moecompress.errors import CheckpointError
+
+# safetensors' ``Dtype`` enum in declaration order; a shard's tensors are laid out by descending dtype,
+# then by name (its ``prepare``), which keeps every tensor aligned to its element size.
+_DTYPE_ORDER = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+_RANK = {code: i for i, code in enumerate(_DTYPE_ORDER)}
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: str  # safetensors' code, e.g. "BF16"
+    shape: list[int]  # the header's (logical) shape
+    start: int  # byte range in the data file
+    end: int
+    more: list[tuple[int, int]] = field(default_factory=list)
+    """further byte ranges of the data file holding the rest of the tensor, in order (a tensor written in
+    segments, :meth:`ShardWriter.append`); the tensor's size is the sum of every range."""
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(self.start, self.end), *self.more]
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+@dataclass
+class _Pending:
+    """A tensor being written in segments: its dtype, the byte ranges written so far."""
+
+    dtype: torch.dtype
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Part:
+    """The unfinished shard: its data file (open for appending) and what it holds."""
+
+    data: Path
+    fd: int
+    entries: list[_Entry] = field(default_factory=list)
+    size: int = 0
+
+
+def _header_entry(name: str, dtype: torch.dtype, shape: Iterable[int], nbytes: int) -> tuple[str, list[int]]:
+    """safetensors' dtype code and logical shape (the library's own mapping, via ``TensorSpec``)."""
+    try:
+        spec = TensorSpec(dtype=str(dtype).split(".")[-1], shape=list(shape), data_ptr=0, data_len=nbytes)
+    except Exception as err:
+        raise CheckpointError(f"tensor {name!r}: safetensors cannot store dtype {dtype} ({err})") from None
+    if spec.dtype not in _RANK:
+        raise CheckpointError(f"tensor {name!r}: dtype {spec.dtype} is not in the writer's dtype table")
+    return spec.dtype, list(spec.shape)
+
+
+def _pwrite(fd: int, t: torch.Tensor, offset: int) -> int:
+    """Write the tensor's bytes (copied only when it is not contiguous) at ``offset``; their count."""
+    view = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):  # a write may be short (size caps, a filling disk): write the rest
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
+    """The header block (length prefix, JSON, space padding to 8 bytes) of a safetensors file whose
+    tensors ``(name, dtype code, shape, nbytes)`` are laid out in the given order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob

@@ -1,0 +1,95 @@
+"""Expert-chunked layers in the dry run: steps that need every expert at once are refused with the figure
+and the fix, ``expert_chunk: auto`` chunks only the layers that do not fit, and the estimates follow."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import save_tiny
+
+import moecompress as mc
+from moecompress.errors import RecipeError
+
+CAL = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("refuse") / "m"
+    save_tiny("qwen3_moe", path, num_hidden_layers=2)
+    return path
+
+
+def _plan(model, tmp_path, steps, chunk, **cal):
+    rec = {"model": str(model), "output": str(tmp_path / "o"), "steps": steps, "expert_chunk": chunk,
+           "calibration": {**CAL, "cache_dir": str(tmp_path / "c"), **cal}}  # fmt: skip
+    return mc.apply(rec, dry_run=True, progress=False).report["dry_run"]
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        {"tdmoe": {}},
+        {"namex": {"ratio": 0.25}},
+        {"merge_experts": {"ratio": 0.25}},
+        {"svd_experts": {}},
+        {"gptq": {}},
+        {"codequant": {}},
+    ],
+)
+def test_a_step_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step):
+    name = next(iter(step))
+    with pytest.raises(RecipeError) as err:
+        _plan(model, tmp_path, [step], 3)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert f"step 1 ({name}), layer " in msg and "needs every expert of the layer at once" in msg
+    assert "GiB for the whole layer" in msg and "expert_chunk: off" in msg
+    _plan(model, tmp_path, [step], "off")  # whole layers: accepted
+
+
+def test_layer_ranking_without_plan_is_refused_with_the_fix(model, tmp_path):
+    with pytest.raises(
+        RecipeError, match=r"step 1 \(heapr\), layer \d+: ranks the neurons.*scope: global or layout: uniform"
+    ):
+        _plan(model, tmp_path, [{"heapr": {"ratio": 0.25, "scope": "layer"}}], 3)
+    with pytest.raises(RecipeError, match=r"neuron_prune.*use layout: uniform"):
+        _plan(model, tmp_path, [{"neuron_prune": {"ratio": 0.25}}], 3)
+    _plan(model, tmp_path, [{"heapr": {"ratio": 0.25}}], 3)  # the global plan decides the widths
+
+
+def test_propagate_compressed_is_refused_on_chunked_layers(model, tmp_path):
+    with pytest.raises(
+        RecipeError,
+        match=r"propagate: 'compressed'.*chunks of 3 experts.*propagate: original or expert_chunk: off",
+    ):
+        _plan(model, tmp_path, [{"rtn": {"bits": 4}}], 3, propagate="compressed")
+
+
+def test_plan_lists_chunks_and_chunk_estimates(model, tmp_path):
+    whole = _plan(model, tmp_path, [{"rtn": {"bits": 4}}], "off")
+    chunked = _plan(model, tmp_path, [{"rtn": {"bits": 4}}], 2)
+    assert whole["expert_chunk"] == {} and set(chunked["expert_chunk"].values()) == {2}
+    assert chunked["step_memory"]["step 1 (rtn)"]["chunk"] == 2
+    assert chunked["step_memory"]["step 1 (rtn)"]["bytes"] < whole["step_memory"]["step 1 (rtn)"]["bytes"]
+
+
+def test_auto_chunks_only_what_does_not_fit(model, tmp_path):
+    steps, free = [{"rtn": {"bits": 4}}], {"source": "none"}  # data-free: no calibration estimate
+    assert _plan(model, tmp_path, steps, "auto", **free)["expert_chunk"] == {}  # a tiny layer fits
+    whole = _plan(model, tmp_path, steps, "off", **free)["step_memory"]["step 1 (rtn)"]["bytes"]
+    limit = whole - 1  # just below the whole layer's estimate: chunks, each fitting the limit
+    plan = _plan(model, tmp_path, steps, "auto", memory_limit=limit, **free)
+    sizes = plan["expert_chunk"]
+    assert sizes and all(1 <= n < 8 for n in sizes.values())
+    assert plan["step_memory"]["step 1 (rtn)"]["bytes"] <= limit
+    with pytest.raises(RecipeError, match="use expert_chunk: auto") as err:
+        _plan(model, tmp_path, steps, "off", memory_limit=limit, **free)
+    assert "not built" not in str(err.value)
+
+
+def test_auto_leaves_a_layer_whole_when_a_step_cannot_chunk(model, tmp_path):
+    whole = _plan(model, tmp_path, [{"tdmoe": {}}], "off")["step_memory"]["step 1 (tdmoe)"]["bytes"]
+    with pytest.raises(
+        RecipeError, match=r"tdmoe\) needs every expert of the layer at once, so the layer is held whole"
+    ):
+        _plan(model, tmp_path, [{"tdmoe": {}}], "auto", memory_limit=whole - 1)
