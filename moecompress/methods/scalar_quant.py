@@ -22,16 +22,12 @@ def group_width(inn: int, group_size: int) -> int:
     return gs
 
 
-def quantize(
-    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Round-to-nearest of ``w`` ``[..., out, in]``: integer codes ``[..., out, in]`` (uint8, unpacked),
-    float16 scales ``[..., out, G]`` and uint8 zero points ``[..., out, G]`` (``None`` if ``symmetric``)."""
-    if bits not in BITS:
-        raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
-    *lead, out, inn = w.shape
-    gs = group_width(inn, group_size)
-    g = w.to(torch.float32, copy=True).reshape(*lead, out, inn // gs, gs)
+def _group_params(
+    g: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float16 scales of the groups ``g`` ``[..., G, gs]`` (float32), their float32 value, its divisor
+    (1 where a scale is 0) and the float32 zero points: what :func:`quantize` and
+    :func:`quantize_with_error` share."""
     qmax = (1 << bits) - 1
     if symmetric:
         raw = g.abs().amax(-1) / ((1 << (bits - 1)) - 1)
@@ -49,6 +45,21 @@ def quantize(
         z = torch.full_like(s, float(1 << (bits - 1)))
     else:
         z = torch.clamp(torch.round(-lo / safe), 0, qmax)
+    return scales, s, safe, z
+
+
+def quantize(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest of ``w`` ``[..., out, in]``: integer codes ``[..., out, in]`` (uint8, unpacked),
+    float16 scales ``[..., out, G]`` and uint8 zero points ``[..., out, G]`` (``None`` if ``symmetric``)."""
+    if bits not in BITS:
+        raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
+    *lead, out, inn = w.shape
+    gs = group_width(inn, group_size)
+    g = w.to(torch.float32, copy=True).reshape(*lead, out, inn // gs, gs)
+    scales, _, safe, z = _group_params(g, bits, symmetric)
+    qmax = (1 << bits) - 1
     q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)  # in place: g is a copy
     codes = q.to(torch.uint8).reshape(*lead, out, inn)
     return codes, scales, None if symmetric else z.to(torch.uint8)
@@ -80,23 +91,8 @@ def quantize_with_error(
     gs = group_width(inn, group_size)
     g = w.to(torch.float32, copy=True).reshape(m, out, inn // gs, gs)
     den = g.view(m, -1).norm(dim=1).clamp_min(1e-30)
+    scales, s, safe, z = _group_params(g, bits, symmetric)
     qmax = (1 << bits) - 1
-    if symmetric:
-        raw = g.abs().amax(-1) / ((1 << (bits - 1)) - 1)
-    else:
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        raw = (hi - lo) / qmax
-    if raw.numel() and (not bool(torch.isfinite(raw).all()) or float(raw.max()) > _FP16_MAX):
-        raise LayoutError(
-            "weights are too large (or not finite) for float16 group scales; check the checkpoint for inf/NaN"
-        )
-    scales = raw.to(torch.float16)
-    s = scales.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    if symmetric:
-        z = torch.full_like(s, float(1 << (bits - 1)))
-    else:
-        z = torch.clamp(torch.round(-lo / safe), 0, qmax)
     q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)
     codes = q.to(torch.uint8).reshape(m, out, inn)
     deq = q.sub_(z[..., None]).mul_(s[..., None])  # (q − z)·s, as dequantize computes it
