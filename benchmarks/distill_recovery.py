@@ -33,7 +33,9 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import moecompress as mc
+from moecompress.errors import PassError
 
+ROUTED = {"lora_heal": True, "method": "kd", "target": "attention_routed", "lora_rank": 8}
 METHODS = {
     "kd": {"method": "kd"},
     "hidden_mse": {"method": "hidden_mse"},
@@ -48,6 +50,7 @@ METHODS = {
     "kd-lora": {"method": "kd", "trainable": "lora", "lora_rank": 8},
     "lora-experts": {"lora_heal": True, "method": "kd", "target": "experts", "lora_rank": 8},
     "lora-attn-routed": {"lora_heal": True, "method": "kd", "target": "attention_routed", "lora_rank": 8},
+    "lora-attn-routed-nobal": {**ROUTED, "lora_balance": 0.0},
     "lora-attn-plain": {"lora_heal": True, "method": "kd", "target": "attention", "lora_rank": 8},
     "hmse-attn-routed": {"lora_heal": True, "method": "hidden_mse", "target": "attention_routed", "lora_rank": 8},
     "kd-tr-nr": {"method": "kd", "token_rounding": {"tile": 128, "mode": "nr"}},
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--lr", default="auto", help="auto (chosen per method from lr_grid) or a number")
     ap.add_argument("--lr-grid", type=float, nargs="+", help="lr auto: the candidates (default: the stage's)")
     ap.add_argument("--lr-probe-steps", type=int, default=0, help="lr auto: steps per candidate (0: steps // 4)")
+    ap.add_argument("--seed", type=int, default=0, help="the stage's seed (batches, LoRA and projector init)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
     ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
     ap.add_argument("--json", help="also write all rows to this JSON file")
@@ -105,13 +109,21 @@ def main() -> None:
         out = work / f"distill-{label}"
         step = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "samples": args.samples or args.steps * args.batch + 8,
                 "holdout": 8, "lr": lr, "lr_probe_steps": args.lr_probe_steps, "teacher": str(model), "data": source,
-                "seed": 0, "projector_steps": max(1, args.steps // 3), **METHODS[label]}  # fmt: skip
+                "seed": args.seed, "projector_steps": max(1, args.steps // 3), **METHODS[label]}  # fmt: skip
         if args.lr_grid:
             step["lr_grid"] = args.lr_grid
         name = "lora_heal" if step.pop("lora_heal", False) else "distill"
         t0 = time.perf_counter()
-        mc.apply({"model": str(pruned), "output": str(out), "calibration": cal, "steps": [{name: step}]},
-                 overwrite=True, progress=False)  # fmt: skip
+        try:
+            mc.apply({"model": str(pruned), "output": str(out), "calibration": cal, "steps": [{name: step}]},
+                     overwrite=True, progress=False)  # fmt: skip
+        except PassError as err:  # e.g. lora on Tucker experts: refused by the dry run
+            row = {"method": label, "refused": str(err).splitlines()[0], "model": args.model, "compress": args.compress}
+            print(json.dumps(row), flush=True)
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            continue
         wall = time.perf_counter() - t0
         s = json.loads((out / "steps" / f"01-{name}" / "report.json").read_text())["summary"]
         e = mc.evaluate(out, against=base, **ev)
@@ -121,10 +133,12 @@ def main() -> None:
                "train_heldout_before": s["heldout_loss_before"], "train_heldout_after": s["heldout_loss_after"],
                "tokens": s["train_tokens"], "tokens_per_s": s["tokens_per_second"], "train_s": s["train_seconds"],
                "train_cpu_s": s["train_cpu_seconds"], "wall_s": wall, "peak_mb": s["peak_memory_mb"],
-               "trainable_params": s["trainable_params"], "lr": s["lr"],
+               "trainable_params": s["trainable_params"], "lr": s["lr"], "loss_first": s["loss_first"],
+               "loss_last": s["loss_last"], "loss_last10": sum(s["loss_curve"][-10:]) / max(1, len(s["loss_curve"][-10:])),
+               "balance_first": s.get("balance_first"), "balance_last": s.get("balance_last"),
                "lr_search_cpu_s": round(sum(r["cpu_seconds"] for r in s["lr_search"]), 1),
                "lr_search": s["lr_search"], "model": args.model, "compress": args.compress, "ratio": args.ratio,
-               "ppl_base": ppl_base, "ppl_pruned": ppl_pruned}  # fmt: skip
+               "ppl_base": ppl_base, "ppl_pruned": ppl_pruned, "seed": args.seed}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.jsonl:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -145,12 +146,55 @@ def spawn(side: str, method: str, model: Path, root: Path, args) -> dict:
     except subprocess.TimeoutExpired:  # killed and reaped: its CPU time so far is in RUSAGE_CHILDREN
         c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
-        return {"error": f"> {args.timeout:.0f} s wall (stopped)", "wall_s": time.perf_counter() - t0, "cpu_s": cpu}
+        return {
+            "error": f"> {args.timeout:.0f} s wall (stopped)",
+            "wall_s": time.perf_counter() - t0,
+            "cpu_s": cpu,
+        }
     wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
     if res.returncode:
         return {"error": (res.stderr.strip().splitlines() or ["?"])[-1][:300], "wall_s": wall, "cpu_s": cpu}
     return {**json.loads(res.stdout.strip().splitlines()[-1]), "wall_s": wall, "cpu_s": cpu}
+
+
+def spawn_pair(method: str, model: Path, root: Path, args) -> dict:
+    """Ours and the peer on the same pair at the same time (``--parallel``): each its own subprocess,
+    its CPU seconds from its own ``wait4`` rusage, so the two see the same machine load."""
+    procs = {}
+    for side in ("ours", "peer"):
+        py = args.peer_python if side == "peer" else sys.executable
+        out = root / f"{side}-{method}"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(f"{out}.cache", ignore_errors=True)
+        cmd = [py, __file__, "--child", "--side", side, "--method", method, "--model", str(model), "--out", str(out),
+               "--ids", str(root / "ids.safetensors"), "--ratio", str(args.ratio), "--samples", str(args.samples),
+               "--seq-len", str(args.seq_len), "--holdout", str(args.holdout)]  # fmt: skip
+        log = open(root / f"{side}-{method}.log", "w")  # noqa: SIM115 (closed when the child ends)
+        procs[side] = (
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True),
+            time.perf_counter(),
+            log,
+        )
+    res = {}
+    while len(res) < 2:
+        pid, status, ru = os.wait4(-1, 0)
+        side = next((s for s, (p, _, _) in procs.items() if p.pid == pid), None)
+        if side is None:
+            continue
+        proc, t0, log = procs[side]
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        log.close()
+        r = {
+            "wall_s": time.perf_counter() - t0,
+            "cpu_s": ru.ru_utime + ru.ru_stime,
+            "peak_rss_mib": ru.ru_maxrss / 1024,
+        }
+        lines = (root / f"{side}-{method}.log").read_text().strip().splitlines() or ["?"]
+        if proc.returncode:
+            r["error"] = lines[-1][:300]
+        res[side] = r
+    return res
 
 
 def main() -> None:
@@ -169,6 +213,8 @@ def main() -> None:
     ap.add_argument("--calibrated-rtn", action="store_true",
                     help="our rtn calibrates (default source) instead of source: none")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and outputs")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run ours and the peer of a pair at the same time (same load; CPU s from wait4)")  # fmt: skip
     # internal: one compression in a subprocess
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=["ours", "peer"], help=argparse.SUPPRESS)
@@ -193,13 +239,20 @@ def main() -> None:
     runs: dict = {m: {"ours": [], "peer": []} for m in args.pairs}
     for rep in range(args.reps):
         for m in args.pairs:
+            if args.parallel:
+                for side, r in spawn_pair(m, model, args.root, args).items():
+                    runs[m][side].append(r)
+                    print(f"rep {rep} {m:<9} {side:<4} {json.dumps(r)}", file=sys.stderr, flush=True)
+                continue
             for side in ("ours", "peer"):
                 r = spawn(side, m, model, args.root, args)
                 runs[m][side].append(r)
                 print(f"rep {rep} {m:<9} {side:<4} {json.dumps(r)}", file=sys.stderr, flush=True)
     load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    print(f"checkpoint: {args.layers} layers x 64 experts, hidden 1024, width 512, bf16; calibration "
-          f"{args.samples} x {args.seq_len} tokens (both); reps {args.reps}\nload: {load[0]}\n   -> {load[1]}\n")
+    print(
+        f"checkpoint: {args.layers} layers x 64 experts, hidden 1024, width 512, bf16; calibration "
+        f"{args.samples} x {args.seq_len} tokens (both); reps {args.reps}\nload: {load[0]}\n   -> {load[1]}\n"
+    )
     print("| pair | moecompress wall s (min) | CPU s (min) | peak RSS MiB | llm-compressor | wall s (min) | CPU s "
           "(min) | peak RSS MiB |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for m in args.pairs:
@@ -208,7 +261,9 @@ def main() -> None:
             ok = [r for r in runs[m][side] if "error" not in r]
             cells.append((min(r["wall_s"] for r in ok), min(r["cpu_s"] for r in ok),
                           max(r["peak_rss_mib"] for r in ok)) if ok else None)  # fmt: skip
-        errs = [next((r["error"] for r in runs[m][side] if "error" in r), "failed") for side in ("ours", "peer")]
+        errs = [
+            next((r["error"] for r in runs[m][side] if "error" in r), "failed") for side in ("ours", "peer")
+        ]
         fmt = [f"{c[0]:.1f} | {c[1]:.1f} | {c[2]:.0f}" if c else f"{e} | | " for c, e in zip(cells, errs)]
         print(f"| {m} | {fmt[0]} | {PEER_NAME[m]} | {fmt[1]} |")
     if args.json:

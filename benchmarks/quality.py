@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from transformers.utils import logging as hf_logging
 
 import moecompress as mc
@@ -50,9 +51,14 @@ METHODS = {
     "tdmoe-adaptive": lambda r: {"tdmoe": {"ratio": r, "whitening": "input", "budget": "adaptive"}},
     "tdmoe-structure": lambda r: {"tdmoe": {"ratio": r, "whitening": "input", "budget": "from_structure"}},
     "decompose-auto": lambda r: {"decompose": {"method": "auto", "ratio": r}},
-    **{f"decompose-svd-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "svd_experts"}}})
-       for i in range(4)},
-    **{f"decompose-td-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "tdmoe"}}}) for i in range(4)},
+    **{
+        f"decompose-svd-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "svd_experts"}}})
+        for i in range(4)
+    },
+    **{
+        f"decompose-td-at{i}": (lambda r, i=i: {"decompose": {"ratio": r, "override": {i: "tdmoe"}}})
+        for i in range(4)
+    },
     "svd-input": lambda r: {"svd_experts": {"ratio": r, "whitening": "input"}},
     "svd-output": lambda r: {"svd_experts": {"ratio": r, "whitening": "output"}},
     "svd-none": lambda r: {"svd_experts": {"ratio": r, "whitening": "none"}},
@@ -60,38 +66,95 @@ METHODS = {
     "namex-collapse": lambda r: {"namex": {"ratio": r, "router": "collapse"}},
     "namex-remap-norefine": lambda r: {"namex": {"ratio": r, "router": "remap", "refine_steps": 0}},
     "namex-collapse-norefine": lambda r: {"namex": {"ratio": r, "router": "collapse", "refine_steps": 0}},
-    "namex-hcsmoe": lambda r: {"namex": {"ratio": r, "similarity": "output", "linkage": "average"}},  # before #19
+    "namex-hcsmoe": lambda r: {
+        "namex": {"ratio": r, "similarity": "output", "linkage": "average"}
+    },  # before #19
     "namex-noalign": lambda r: {"namex": {"ratio": r, "router": "remap", "align": False}},
-    "namex-gamma0": lambda r: {"namex": {"ratio": r, "router": "remap", "gamma_grid": [0.0], "refine_steps": 0}},
-    "namex-gamma1": lambda r: {"namex": {"ratio": r, "router": "remap", "gamma_grid": [1.0], "refine_steps": 0}},
+    "namex-gamma0": lambda r: {
+        "namex": {"ratio": r, "router": "remap", "gamma_grid": [0.0], "refine_steps": 0}
+    },
+    "namex-gamma1": lambda r: {
+        "namex": {"ratio": r, "router": "remap", "gamma_grid": [1.0], "refine_steps": 0}
+    },
     "namex-router-sim": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "router"}},
     "namex-auto": lambda r: {"namex": {"target_experts": "auto", "router": "remap"}},
     "merge-frequency-auto": lambda r: {"merge_experts": {"target_experts": "auto", "method": "frequency"}},
-    "namex-output-tokens": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "output_tokens"}},
-    "namex-output-tokens-euclid": lambda r: {"namex": {"ratio": r, "router": "remap", "similarity": "output_tokens",
-                                                       "metric": "euclidean"}},
+    "namex-output-tokens": lambda r: {
+        "namex": {"ratio": r, "router": "remap", "similarity": "output_tokens"}
+    },
+    "namex-output-tokens-euclid": lambda r: {
+        "namex": {"ratio": r, "router": "remap", "similarity": "output_tokens", "metric": "euclidean"}
+    },
     "namex-ward": lambda r: {"namex": {"ratio": r, "similarity": "output_tokens", "linkage": "ward"}},
-    "merge-frequency-ward": lambda r: {"merge_experts": {"ratio": r, "similarity": "output_tokens", "linkage": "ward"}},
+    "merge-frequency-ward": lambda r: {
+        "merge_experts": {"ratio": r, "similarity": "output_tokens", "linkage": "ward"}
+    },
     "namex-router-ward": lambda r: {"namex": {"ratio": r, "similarity": "router", "linkage": "ward"}},
-    "merge-frequency-router": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "similarity": "router"}},
-    "merge-hcsmoe": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "similarity": "output",
-                                                 "linkage": "average"}},  # the default before issue 19
+    "merge-frequency-router": lambda r: {
+        "merge_experts": {"ratio": r, "method": "frequency", "similarity": "router"}
+    },
+    "merge-hcsmoe": lambda r: {
+        "merge_experts": {"ratio": r, "method": "frequency", "similarity": "output", "linkage": "average"}
+    },  # the default before issue 19
     "merge-average": lambda r: {"merge_experts": {"ratio": r, "method": "average", "router": "remap"}},
     "merge-frequency": lambda r: {"merge_experts": {"ratio": r, "method": "frequency", "router": "remap"}},
 }
+CHOSEN = "@choose_groups"  # replaced by the summary's target_experts of a choose_groups run (resolve_chosen)
 RR = {"router_robustness": {"epsilons": [0.0, 0.05, 0.1]}}
-METHODS.update({  # issue 19: analysis stages that change a later step (a list = a multi-step recipe)
-    "heapr-hubs2": lambda r: [{"attribute_routing": {"protect": 2}}, {"heapr": {"ratio": r, "scope": "global"}}],
-    "heapr-hubs4": lambda r: [{"attribute_routing": {"protect": 4}}, {"heapr": {"ratio": r, "scope": "global"}}],
-    "heapr-hubs8": lambda r: [{"attribute_routing": {"protect": 8}}, {"heapr": {"ratio": r, "scope": "global"}}],
-    "rr-heapr": lambda r: [RR, {"heapr": {"ratio": r, "scope": "global"}}, RR],
-    "rr-reap": lambda r: [RR, {"expert_prune": {"ratio": r, "method": "reap"}}, RR],
-    "rr-namex": lambda r: [RR, {"namex": {"ratio": r, "router": "remap"}}, RR],
-    "rr-decompose": lambda r: [RR, {"decompose": {"method": "auto", "ratio": r}}, RR],
-    **{f"namex-k{k}": (lambda r, k=k: {"namex": {"target_experts": k, "router": "remap"}}) for k in range(2, 8)},
-    **{f"merge-k{k}": (lambda r, k=k: {"merge_experts": {"target_experts": k, "method": "frequency"}})
-       for k in range(2, 8)},
-})
+METHODS.update(
+    {  # issue 19: analysis stages that change a later step (a list = a multi-step recipe)
+        "heapr-hubs2": lambda r: [
+            {"attribute_routing": {"protect": 2}},
+            {"heapr": {"ratio": r, "scope": "global"}},
+        ],
+        "heapr-hubs4": lambda r: [
+            {"attribute_routing": {"protect": 4}},
+            {"heapr": {"ratio": r, "scope": "global"}},
+        ],
+        "heapr-hubs8": lambda r: [
+            {"attribute_routing": {"protect": 8}},
+            {"heapr": {"ratio": r, "scope": "global"}},
+        ],
+        "heapr-hubs8-mean": lambda r: [
+            {"attribute_routing": {"protect": 8, "hub_score": "mean"}},
+            {"heapr": {"ratio": r, "scope": "global"}},
+        ],
+        "heapr-hubs4-mean": lambda r: [
+            {"attribute_routing": {"protect": 4, "hub_score": "mean"}},
+            {"heapr": {"ratio": r, "scope": "global"}},
+        ],
+        "rr-heapr": lambda r: [RR, {"heapr": {"ratio": r, "scope": "global"}}, RR],
+        "rr-reap": lambda r: [RR, {"expert_prune": {"ratio": r, "method": "reap"}}, RR],
+        "rr-namex": lambda r: [RR, {"namex": {"ratio": r, "router": "remap"}}, RR],
+        "rr-decompose": lambda r: [RR, {"decompose": {"method": "auto", "ratio": r}}, RR],
+        **{
+            f"namex-k{k}": (lambda r, k=k: {"namex": {"target_experts": k, "router": "remap"}})
+            for k in range(2, 8)
+        },
+        **{
+            f"merge-k{k}": (lambda r, k=k: {"merge_experts": {"target_experts": k, "method": "frequency"}})
+            for k in range(2, 8)
+        },
+        # budgeted auto: choose_groups spends the budget over layers, its summary's counts go to the merge step
+        "namex-budget": lambda r: [{"choose_groups": {"ratio": r}}, {"namex": {"target_experts": CHOSEN}}],
+        "namex-budget-merged": lambda r: [
+            {"choose_groups": {"ratio": r, "curve": "merged"}},
+            {"namex": {"target_experts": CHOSEN}},
+        ],
+        "namex-budget-rel": lambda r: [
+            {"choose_groups": {"ratio": r, "scale": "relative"}},
+            {"namex": {"target_experts": CHOSEN}},
+        ],
+        "namex-budget-abs": lambda r: [
+            {"choose_groups": {"ratio": r, "scale": "absolute"}},
+            {"namex": {"target_experts": CHOSEN}},
+        ],
+        "merge-budget": lambda r: [
+            {"choose_groups": {"ratio": r}},
+            {"merge_experts": {"target_experts": CHOSEN}},
+        ],
+    }
+)
 QUANT = {  # one parameter: bits
     "codequant-learned": lambda b: {"codequant": {"bits": b, "rotation": "learned"}},
     "codequant-hadamard": lambda b: {"codequant": {"bits": b, "rotation": "hadamard"}},
@@ -122,17 +185,67 @@ def removed(step: dict) -> tuple[float, float]:
     return float(step["summary"].get("routed_fraction_removed", 0.0)), whole
 
 
+def resolve_chosen(model: Path, out: Path, cal: dict, steps: list[dict]) -> list[dict]:
+    """Steps after a ``choose_groups`` step whose ``target_experts`` is ``CHOSEN`` get the per-layer counts
+    that step reports (a report-only run of the steps up to it); the ``choose_groups`` step stays."""
+    for n, st in enumerate(steps):
+        ((name, cfg),) = st.items()
+        if cfg.get("target_experts") != CHOSEN:
+            continue
+        j = max(i for i in range(n) if "choose_groups" in steps[i])
+        res = mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps[: j + 1]},
+                       progress=False, overwrite=True)  # fmt: skip
+        rep = next(
+            p
+            for p in sorted((out / "steps").glob("*/report.json"))
+            if p.parent.name.endswith("choose_groups")
+        )
+        chosen = json.loads(rep.read_text())["summary"]["target_experts"]
+        del res
+        shutil.rmtree(out, ignore_errors=True)
+        steps = [*steps[:n], {name: {**cfg, "target_experts": chosen}}, *steps[n + 1 :]]
+    return steps
+
+
+def routing_drift(model: Path, out: Path, cal: dict, report: dict) -> dict:
+    """Per MoE layer: the compressed model's routing on its own (propagated) inputs against the base's routing
+    on the base's inputs, same calibration tokens (``router_sample`` of both checkpoints, calibrated with the
+    same settings), top-k Jaccard and router KL; pruned routers are matched by the step's ``kept_experts``."""
+    from moecompress.calibration.cache import load_layer
+    from moecompress.methods.robustness import logit_stability
+
+    rr = [{"router_robustness": {"epsilons": [0.0]}}]
+    entries = [mc.calibrate({"model": str(m), "output": str(out.with_name(out.name + "-drift")), "calibration": cal,
+                             "steps": rr}, progress=False) for m in (model, out)]  # fmt: skip
+    top_k = json.loads((model / "config.json").read_text())["num_experts_per_tok"]
+    kept = {r["layer"]: r["info"].get("kept_experts") for r in report.get("layers", [])}
+    rows = {}
+    for i in sorted(kept):
+        b, c = (load_layer(e, i)["router_sample"].float() for e in entries)
+        mapping = torch.tensor(kept[i]) if kept[i] is not None and c.shape[1] < b.shape[1] else None
+        rows[str(i)] = logit_stability(b, c, top_k, mapping)
+    n = max(len(rows), 1)
+    return {"jaccard": sum(r["jaccard"] for r in rows.values()) / n, "kl": sum(r["kl"] for r in rows.values()) / n,
+            "per_layer": rows}  # fmt: skip
+
+
+DRIFT = False  # --drift: also measure routing_drift for every row
+
+
 def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> dict:
     t0 = time.perf_counter()
     try:
-        steps = step if isinstance(step, list) else [step]
+        steps = resolve_chosen(model, out, cal, step if isinstance(step, list) else [step])
         res = mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps},
                        progress=False)  # fmt: skip
         wall = time.perf_counter() - t0
-        reports = {p.parent.name: json.loads(p.read_text()) for p in sorted((out / "steps").glob("*/report.json"))}
+        reports = {
+            p.parent.name: json.loads(p.read_text()) for p in sorted((out / "steps").glob("*/report.json"))
+        }
         last = next(k for k in reversed(reports) if k.split("-", 1)[1] not in REPORT_ONLY)
         report = reports[last]
         e = mc.evaluate(out, against=base, **ev)
+        drift = routing_drift(model, out, cal, report) if DRIFT else None
     finally:
         for d in (out, out.with_name(f".{out.name}.partial")):
             shutil.rmtree(d, ignore_errors=True)
@@ -145,6 +258,7 @@ def run_one(model: Path, out: Path, cal: dict, step: dict, ev: dict, base) -> di
         "calibration_s": c.get("seconds"), "calibration_cached": c.get("cached"),
         "backward": c.get("backward"), "summary": report.get("summary"), "warnings": report.get("warnings"),
         "step_summaries": {k: r.get("summary") for k, r in reports.items()} if len(reports) > 1 else None,
+        "drift": drift,
     }  # fmt: skip
 
 
@@ -161,12 +275,17 @@ def main() -> None:
         "e.g. builtin, to calibrate on text unlike the evaluation text"
     )  # fmt: skip
     ap.add_argument("--seq-len", type=int, default=256, help="calibration and evaluation window")
-    ap.add_argument("--sample-tokens", type=int, default=512, help="calibration.sample_tokens (io_sample size)")
+    ap.add_argument(
+        "--sample-tokens", type=int, default=512, help="calibration.sample_tokens (io_sample size)"
+    )
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
     ap.add_argument("--json", help="also write all rows to this JSON file")
+    ap.add_argument("--drift", action="store_true", help="also measure the routing drift (routing_drift)")
     args = ap.parse_args()
+    global DRIFT
+    DRIFT = args.drift
     hf_logging.disable_progress_bar()  # "Loading weights" bars of every mc.load / evaluate
     data = Path(args.shared) / "data"
     corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))

@@ -236,6 +236,12 @@ def gptoss(root: Path, steps: list[str], samples: int, seq_len: int, layers: int
         subprocess.run(["rm", "-rf", str(out), str(root / f"cache-{name}")], check=False)
 
 
+def run_estimate(dry: dict) -> int:
+    """The dry run's estimate of the whole run's peak: calibration, the copy of the non-MoE tensors, the steps."""
+    steps = max((v["bytes"] for v in dry["step_memory"].values()), default=0)
+    return max(dry["calibration_memory_bytes"], dry.get("copy_memory_bytes", 0), steps)
+
+
 def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limit: str | None, samples: int,
                  seq_len: int, source: str, experts: int = 256, vocab: int | None = None) -> None:  # fmt: skip
     """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros) in a fresh process:
@@ -262,6 +268,7 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
         report = json.loads((out / "report.json").read_text())
         print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
                           "step_estimate_gib": round(max(v["bytes"] for v in report["dry_run"]["step_memory"].values()) / GiB, 2),
+                          "run_estimate_gib": round(run_estimate(report["dry_run"]) / GiB, 2),
                           "wall_s": round(m["wall_s"], 1), "read_gib": round(m["read"] / GiB, 2),
                           "written_gib": round(written / GiB, 2),
                           "step_s_per_layer": round(sum(s["seconds"] for s in report["steps"]) / moe_layers, 1)}))  # fmt: skip

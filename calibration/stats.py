@@ -32,7 +32,11 @@ class StatsCollector:
     recomputation of the streamed backward).
     """
 
-    def __init__(self, layer: MoELayer, names: set[str] | frozenset[str], sample_tokens: int = 512) -> None:
+    def __init__(
+        self, layer: MoELayer, names: set[str] | frozenset[str], sample_tokens: int = 512, *, rounds: bool = False
+    ) -> None:
+        """``rounds``: a data-parallel rank's collector, whose per-batch contributions are taken round by
+        round (:meth:`take_round`) and merged in batch order into another collector (:meth:`add_round`)."""
         self.names = set(names) | ALWAYS
         self.layer = layer
         self.sample_tokens = sample_tokens
@@ -54,10 +58,15 @@ class StatsCollector:
         self._off = 0
         self._attr: dict | None = None  # route_attrib: the traced tokens (calibration/trace.py)
         self._attribution: dict[str, torch.Tensor] = {}
+        self._seq: dict[str, list[torch.Tensor]] | None = {} if rounds else None
+        """a round's unindexed additions, in order (several per batch for the pooled sums)"""
 
     # -- helpers ---------------------------------------------------------------------------------
     def _add(self, name: str, value: torch.Tensor, index: int | None = None) -> None:
         value = value.detach().double()
+        if index is None and self._seq is not None:  # kept apart: merged later in the one process's order
+            self._seq.setdefault(name, []).append(value.clone())
+            return
         if name not in self._sums:
             shape = (self._n_experts(name), *value.shape) if index is not None else value.shape
             self._sums[name] = torch.zeros(shape, dtype=torch.float64, device=value.device)
@@ -272,6 +281,53 @@ class StatsCollector:
                 "finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
             )
         return out
+
+    # -- data-parallel calibration (calibration/sweep.py) ---------------------------------------------
+    def take_round(self) -> dict[str, torch.Tensor]:
+        """This round's contributions (one batch) as CPU tensors, and a fresh start for the next round."""
+        if self._attr is not None:  # pragma: no cover - refused before calibration starts
+            raise CheckpointError("route_attrib is not collected data-parallel")
+        out = {"n/tokens": torch.tensor(self._n_tokens), "n/grad_tokens": torch.tensor(self._n_grad_tokens)}
+        out |= {f"s/{k}": v.cpu() for k, v in self._sums.items()}
+        out |= {f"q/{k}": torch.stack(v).cpu() for k, v in (self._seq or {}).items()}
+        out |= {f"c/{k}": v.clone() for k, v in self._counts.items()}
+        out |= {f"io/{k}": torch.cat(v) for k, v in self._io.items() if v}
+        for k, (best, chan) in self._absmax.items():
+            out[f"ax/{k}"], out[f"ai/{k}"] = best.clone(), chan.clone()
+        self._sums, self._counts, self._absmax = {}, {}, {}
+        self._seq = {} if self._seq is not None else None
+        self._io = {k: [] for k in self._io}
+        self._n_tokens = self._n_grad_tokens = 0
+        return out
+
+    def add_round(self, part: dict[str, torch.Tensor]) -> None:
+        """Add one batch's :meth:`take_round` as the single process would have added it, bit for bit:
+        per-expert sums get one addition per batch, the unindexed ones each of theirs in order."""
+        self._n_tokens += int(part["n/tokens"])
+        self._n_grad_tokens += int(part["n/grad_tokens"])
+        for key, v in part.items():
+            kind, _, name = key.partition("/")
+            if kind == "s":
+                if name not in self._sums:
+                    self._sums[name] = torch.zeros_like(v)
+                self._sums[name] += v
+            elif kind == "q":
+                for one in v:
+                    if name not in self._sums:
+                        self._sums[name] = torch.zeros_like(one)
+                    self._sums[name] += one
+            elif kind == "c":
+                if name not in self._counts:
+                    self._counts[name] = torch.zeros_like(v)
+                self._counts[name] += v
+            elif kind == "io":
+                self._keep(name, v)
+            elif kind == "ax":
+                if name not in self._absmax:
+                    self._absmax[name] = (torch.zeros_like(v), torch.zeros_like(part[f"ai/{name}"]))
+                best, chan = self._absmax[name]
+                more = v > best
+                best[more], chan[more] = v[more], part[f"ai/{name}"][more]
 
     def merge_backward(self, other: StatsCollector) -> None:
         """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""

@@ -22,9 +22,10 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
@@ -95,6 +96,35 @@ class _InputStore:
             self._dir.cleanup()
 
 
+class Group(Protocol):
+    """The ranks of a data-parallel calibration (:class:`moecompress.engine.distributed.Ranks`)."""
+
+    rank: int
+    world_size: int
+
+    def share(self, n: int) -> list[int]: ...
+    def rounds(self, n: int) -> int: ...
+    def all_gather_bytes(self, blob: bytes) -> list[bytes]: ...
+    def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]: ...
+    def all_sum_int(self, value: int) -> int: ...
+
+
+def _check_parallel(needs, chunks: Mapping[int, int]) -> None:
+    if "route_attrib" in needs:
+        raise RecipeError("route_attrib (attribute_routing) is not collected data-parallel yet; run one process")
+    if chunks:
+        raise RecipeError(
+            f"layers {sorted(chunks)} are calibrated by chunks of experts (expert_chunk), which is not data-parallel "
+            "yet; run one process, or expert_chunk: off"
+        )
+
+
+def _merge_round(group: Group, col: StatsCollector, total: StatsCollector) -> None:
+    """One round: every rank's batch contribution, added into ``total`` in rank order (= batch order)."""
+    for blob in group.all_gather_bytes(save(col.take_round())):
+        total.add_round(load(blob))
+
+
 def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
     if not all(bool(torch.isfinite(o if isinstance(o, torch.Tensor) else o[0]).all()) for o in outs):
         raise CheckpointError(
@@ -119,10 +149,13 @@ def run_calibration(
     on_layer: OnLayer | None = None,
     progress: bool = True,
     expert_chunks: Mapping[int, int] | None = None,
+    ranks: Group | None = None,
 ) -> dict:
     """Run the sweep(s); statistics are handed to ``save_*`` layer by layer. Returns a summary.
     ``expert_chunks``: MoE layer -> experts per chunk, the layers run by chunks of experts
-    (:mod:`moecompress.calibration.chunked`; the others are held whole)."""
+    (:mod:`moecompress.calibration.chunked`; the others are held whole). ``ranks``: data-parallel over
+    ``torch.distributed`` ranks (:mod:`moecompress.engine.distributed`): this rank runs the batches
+    ``b % world_size == rank``, and every rank ends with the statistics of one process, bit for bit."""
     from moecompress.calibration import chunked  # it builds on this module's helpers
 
     ckpt = skel.ckpt
@@ -130,8 +163,13 @@ def run_calibration(
     chunks = {i: n for i, n in (expert_chunks or {}).items() if i in moe_layers}
     if chunks and on_layer is not None:
         raise RecipeError(PROPAGATE_CHUNKED)
+    group = ranks if ranks is not None and ranks.world_size > 1 else None
+    if group is not None:
+        _check_parallel(needs, chunks)
+    mine = group.share(len(batches.ids)) if group is not None else list(range(len(batches.ids)))
+    rounds = group.rounds(len(batches.ids)) if group is not None else len(mine)
     backward = backward_needed(set(needs))
-    captured = [skel.capture(ids) for ids in batches.ids]
+    captured = [skel.capture(batches.ids[b]) for b in mine]
     skel.release_embeddings()
     hidden = [h for h, _ in captured]
     kwargs = [kw for _, kw in captured]
@@ -139,6 +177,8 @@ def run_calibration(
     n_layers = len(skel.meta_layers)
     trace = RoutingTrace() if "route_attrib" in needs else None
     act_bytes = sum(h.numel() * h.element_size() for h in hidden) * n_layers
+    if group is not None:
+        act_bytes = group.all_sum_int(act_bytes)
     store = None
     if backward:
         on_disk = offload == "disk" or (offload == "auto" and act_bytes > OFFLOAD_AUTO_BYTES)
@@ -164,16 +204,21 @@ def run_calibration(
             moe = ckpt.read_layer(i) if i in moe_layers else None
             if moe is not None:
                 check_finite(moe)
-            col = StatsCollector(moe, needs, sample_tokens) if moe is not None else None
+            col = StatsCollector(moe, needs, sample_tokens, rounds=group is not None) if moe is not None else None
+            total = StatsCollector(moe, needs, sample_tokens) if group is not None and moe is not None else None
             mod = skel.layer(i, moe, col)
             outs = []
             with torch.no_grad():
-                for b, x in enumerate(hidden):
-                    if col is not None:
-                        col.mode = "holdout" if batches.holdout[b] else "stats"
-                    args, kw = kwargs[b][i]
-                    outs.append(run_batch(mod, x, args, kw, skel.device))
+                for b in range(rounds):  # b: this rank's batch; every rank takes part in every round
+                    if b < len(hidden):
+                        if col is not None:
+                            col.mode = "holdout" if batches.holdout[mine[b]] else "stats"
+                        args, kw = kwargs[b][i]
+                        outs.append(run_batch(mod, hidden[b], args, kw, skel.device))
+                    if total is not None:
+                        _merge_round(group, col, total)
             del mod
+            col = total if total is not None else col
             _check_outputs(i, outs)
             if trace is not None:
                 trace.after_layer(i, hidden, outs, batches.holdout, col)
@@ -192,28 +237,37 @@ def run_calibration(
             hidden = outs
         loss = None
         if store is not None:
-            loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks)
+            loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks,
+                             (group, mine, rounds))  # fmt: skip
     finally:
         if store is not None:
             store.close()
     return {"batches": len(batches.ids), "backward": backward, "loss": loss, "activation_bytes": act_bytes}
 
 
-def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks) -> float:
+def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share) -> float:
     from moecompress.calibration import chunked
 
+    group, mine, rounds = share
     ckpt = skel.ckpt
     moe_layers = set(ckpt.moe_layer_indices)
     skel.load_head()
     total = batches.predicted_tokens
     grads: dict[int, torch.Tensor] = {}
     loss = 0.0
+    parts: list[float] = []
     for b, h in enumerate(hidden):
-        if not batches.holdout[b]:
-            part, g = skel.lm_loss_and_grad(h, batches.ids[b], total)
+        if not batches.holdout[mine[b]]:
+            part, g = skel.lm_loss_and_grad(h, batches.ids[mine[b]], total)
             grads[b] = g.cpu()
             loss += part
+            parts += [float(mine[b]), part]
     del hidden
+    if group is not None:  # the loss summed in batch order, as one process sums it
+        every = [p for rank in group.all_gather_f64(parts, 2 * rounds) for p in zip(rank[::2], rank[1::2])]
+        loss = 0.0
+        for _, part in sorted(every):
+            loss += part
     for i in tqdm(
         reversed(range(len(skel.meta_layers))),
         desc="calibrate (backward)",
@@ -227,20 +281,25 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
             inputs = None
             continue
         moe = ckpt.read_layer(i) if i in moe_layers else None
-        col = StatsCollector(moe, needs) if moe is not None else None
+        col = StatsCollector(moe, needs, rounds=group is not None) if moe is not None else None
+        merged = StatsCollector(moe, needs) if group is not None and moe is not None else None
         if col is not None:
             col.mode = "backward"
         mod = skel.layer(i, moe, col)
         dev = skel.device
-        for b in grads:
-            x = inputs[b].detach().to(dev).requires_grad_(True)
-            args, kw = to_device(kwargs[b][i], dev)
-            with torch.enable_grad():
-                out = mod(x, *args, **kw)
-                out.backward(grads[b].to(dev))
-            grads[b] = x.grad.cpu()
+        for b in grads if group is None else range(rounds):
+            if b in grads:
+                x = inputs[b].detach().to(dev).requires_grad_(True)
+                args, kw = to_device(kwargs[b][i], dev)
+                with torch.enable_grad():
+                    out = mod(x, *args, **kw)
+                    out.backward(grads[b].to(dev))
+                grads[b] = x.grad.cpu()
+            if merged is not None:
+                _merge_round(group, col, merged)
         # the autograd graph of `out` holds the gradient hooks, which hold the collector and the layer
         mod = inputs = out = x = None
+        col = merged if merged is not None else col
         if col is not None:
             save_backward(i, col.result())
         moe = col = None

@@ -51,8 +51,10 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
+    from moecompress.engine.distributed import Launch
     from moecompress.engine.executor import apply
 
+    launch = Launch.from_env(os.environ)  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK (docs/distributed.md)
     result = apply(
         args.recipe,
         args.set or [],
@@ -60,7 +62,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        launch=launch,
     )
+    if launch.rank > 0 and not result.dry_run:  # rank 0 writes and reports
+        return 0
     if result.dry_run:
         print(json.dumps(result.report["dry_run"], indent=2))
         return 0
@@ -75,8 +80,14 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from moecompress.engine.distributed import Launch
     from moecompress.engine.executor import calibrate
+    from moecompress.errors import RecipeError
 
+    if Launch.from_env(os.environ).world_size > 1:
+        raise RecipeError(
+            "moecompress calibrate does not run under torchrun (apply calibrates data-parallel); run one process"
+        )
     print(calibrate(args.recipe, args.set or [], progress=not args.quiet))
     return 0
 

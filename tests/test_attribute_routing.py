@@ -70,3 +70,19 @@ def test_end_to_end_sum_check_components_and_hub_protection(tmp_path, model):
         assert set(ids) <= set(ckpt.protected.get(int(layer), ()))  # heapr kept them bit-identical
     kinds = set().union(*(v.keys() for v in s["aarv_by_kind"].values()))
     assert {"embed", "attn", "moe"} <= kinds and (model != "gpt_oss" or "bias" in kinds)
+
+
+def test_hub_score_mean_removes_the_early_layer_advantage():
+    """Layer 0's experts reach two later routers, layer 1's one: summed pulls favour layer 0 by
+    construction; ``hub_score: mean`` compares the pull per later router."""
+    from moecompress.engine.spec import LayerStats
+    from moecompress.methods.attribution import ATTRIB_TOKENS
+    from moecompress.passes.attribute_routing import AttributeRoutingConfig, _plan
+
+    pull0, pull1 = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 5.0])  # per later router, x ATTRIB_TOKENS
+    hub = {0: torch.zeros(0, 2), 1: pull0[None], 2: torch.stack([pull0, pull1])}
+    stats = {i: LayerStats(i, {"route_attrib_hub_aarv": h * ATTRIB_TOKENS}) for i, h in hub.items()}
+    total = _plan(stats, AttributeRoutingConfig(protect=1))
+    mean = _plan(stats, AttributeRoutingConfig(protect=1, hub_score="mean"))
+    assert total[0]["hubs"] == [0] and total[1]["hubs"] == []  # 3 + 3 > 5
+    assert mean[0]["hubs"] == [] and mean[1]["hubs"] == [1]  # 3 < 5 per later router

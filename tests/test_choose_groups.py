@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -11,6 +13,7 @@ from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 from moecompress.methods.mixture import choose_k, fit_gmm, reduce_features
 from moecompress.passes import BUILTIN_PASSES
+from moecompress.passes.expert_merging import target_groups
 from moecompress.testing import layer_statistics
 
 
@@ -128,3 +131,66 @@ def test_auto_keeps_a_layer_without_cluster_structure():
     new, info = spec.fn(layer, st, cfg)
     assert info["choose_groups"]["free_groups"] == 1 and info["choose_groups"]["groups"] == E
     assert new is layer
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ward_costs_sum_to_the_loss_of_ward_groups(seed):
+    from moecompress.methods.merging import ward_costs, ward_linkage
+
+    g = torch.Generator().manual_seed(seed)
+    f, w = (
+        torch.randn(7, 20, generator=g, dtype=torch.float64),
+        torch.rand(7, generator=g, dtype=torch.float64) + 0.1,
+    )
+    costs = ward_costs(f, w, singletons=[2])
+    assert len(costs) == 5 and all(b >= a - 1e-12 for a, b in itertools.pairwise(costs))  # non-decreasing
+    for m in range(6):
+        groups = ward_linkage(f, 7 - m, w, singletons=[2])
+        assert _weighted_ss(f, w, groups) == pytest.approx(sum(costs[:m]), rel=1e-9, abs=1e-12)
+
+
+def test_allocate_merges_is_the_brute_force_optimum():
+    import itertools
+
+    from moecompress.errors import MethodError
+    from moecompress.methods.merging import allocate_merges
+
+    g = torch.Generator().manual_seed(3)
+    convex = {i: torch.rand(5, generator=g).cumsum(0).tolist() for i in range(3)}  # non-decreasing
+    bumpy = {i: (torch.rand(5, generator=g) - 0.3).tolist() for i in range(3)}  # measured curves need not be
+    for curves, merges in itertools.product((convex, bumpy), range(16)):
+        got = allocate_merges(curves, merges)
+        best = min(sum((curves[i][: m[i]] and sum(curves[i][: m[i]])) or 0 for i in range(3))
+                   for m in itertools.product(range(6), repeat=3) if sum(m) == merges)  # fmt: skip
+        assert sum(got.values()) == merges
+        assert sum(sum(curves[i][: got[i]]) for i in range(3)) == pytest.approx(best)
+    with pytest.raises(MethodError, match="between 0 and 15"):
+        allocate_merges(curves, 16)
+
+
+@pytest.mark.parametrize("curve", ["ward", "merged"])
+def test_choose_groups_spends_the_budget_where_merging_is_cheap_and_namex_follows_it(curve):
+    spec = BUILTIN_PASSES["choose_groups"]
+    fam = _two_family_layer()
+    g = torch.Generator().manual_seed(7)
+    bank = ExpertBank(*(Dense(torch.randn(E, *s, generator=g)) for s in ((W, H), (W, H), (H, W))))
+    rnd = MoELayer(1, fam.router, torch.randn(E, H, generator=g), bank)
+    cfg = spec.config(
+        ratio=6 / 16, curve=curve
+    )  # 6 merges over 16 experts: exactly the two families' near-copies
+    infos = {}
+    for layer in (fam, rnd):
+        st = LayerStats.view(layer.index, layer_statistics(layer, spec.needs), spec.needs)
+        infos[layer.index] = spec.fn(layer, st, cfg)[1]
+    assert max(infos[0]["merge_costs"][:6]) < 1e-2 * min(infos[1]["merge_costs"])  # near-copies: ~free
+    summary = spec.summarize(infos, cfg)["summary"]
+    assert summary["target_experts"] == {"0": 2, "1": 8} and summary["experts_kept"] == 10
+    ncfg = BUILTIN_PASSES["namex"].config(target_experts=summary["target_experts"], refine_steps=0)
+    assert ncfg.target_experts == {0: 2, 1: 8}
+    nspec = BUILTIN_PASSES["namex"]
+    st = LayerStats.view(0, layer_statistics(fam, nspec.needs_for(ncfg)), nspec.needs_for(ncfg))
+    new, _ = nspec.fn(fam, st, ncfg)
+    assert new.experts.num_experts == 2
+    assert target_groups(E, ncfg, 1) == 8 and target_groups(E, ncfg, 5) == E  # unlisted layers keep all
+    with pytest.raises(ValidationError, match="same count in every layer"):
+        BUILTIN_PASSES["namex"].config(target_experts={0: 2, 1: 8}, router="collapse")

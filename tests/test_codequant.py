@@ -194,8 +194,12 @@ def test_errors_name_the_field_and_the_fix(tiny_qwen, tmp_path):
     pruned = tmp_path / "p"
     mc.apply({**rec, "output": str(pruned), "steps": [{"neuron_prune": {"ratio": 0.25, "method": "magnitude"}}]},
              progress=False)  # fmt: skip
-    with pytest.raises(PassError, match=r"different widths .*heapr layout: uniform"):  # widths: known at run time
-        mc.apply({**rec, "model": str(pruned), "steps": [{"codequant": {"rotation_steps": 2}}]}, progress=False)
+    with pytest.raises(
+        PassError, match=r"different widths .*heapr layout: uniform"
+    ):  # widths: known at run time
+        mc.apply(
+            {**rec, "model": str(pruned), "steps": [{"codequant": {"rotation_steps": 2}}]}, progress=False
+        )
     svd = tmp_path / "svd"
     mc.apply({**rec, "output": str(svd), "steps": [{"svd_experts": {}}]}, progress=False)
     with pytest.raises(PassError, match=r"codequant needs dense \(or uniformly pruned\) experts.*lowrank"):
@@ -235,7 +239,9 @@ def test_uniformly_pruned_bank_with_a_full_width_protected_expert_stores_only_li
     assert new.experts.widths.tolist() == [live, W, live, live]
     rotated, _ = codequant(layer, stats, CodequantConfig(bits=4, rotation="hadamard", finetune_steps=0))
     assert _rel(moe_forward(rotated, x), moe_forward(layer, x)) < 0.1  # rotated weights are off the grid
-    assert not rotated.experts.gate.expert(0)[live:].any() and not rotated.experts.down.expert(0)[:, live:].any()
+    assert (
+        not rotated.experts.gate.expert(0)[live:].any() and not rotated.experts.down.expert(0)[:, live:].any()
+    )
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe"])
@@ -276,7 +282,15 @@ def test_batched_kmeans_sorted_assignment_is_nearest_and_results_do_not_depend_o
     v[:5, :4] = torch.tensor([0.5, -0.5, 1.5, -1.5])
     for chunk in (50, 7 * 50, 1 << 20):
         assert torch.equal(SortedRows(v, chunk_values=chunk).assign(c), nearest(v, c))
+    rows = SortedRows(v)
+    rows.assign(c)
+    for step in range(4):  # incremental reassignment: only values between old and new cuts move
+        c = c + (0.05 if step == 2 else 0.005) * torch.randn(c.shape, generator=g)  # step 2 reorders some
+        assert torch.equal(rows.update(c), nearest(v, c)), step
     whole = kmeans_1d(v, 4, seed=1)
+    kept = kmeans_1d(v, 4, seed=1, keep_sorted=True)  # the Lloyd sort, reused: same results, same rows
+    assert torch.equal(kept[0], whole[0]) and torch.equal(kept[1], whole[1])
+    assert torch.equal(kept[2].assign(c), nearest(v, c))
     for chunk in (50, 3 * 50):  # one row at a time, three rows at a time
         part = kmeans_1d(v, 4, seed=1, chunk_values=chunk)
         assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
@@ -315,8 +329,8 @@ def test_learned_rotation_equals_the_torch_parametrisation_it_replaced():
 
 
 def test_dry_run_counts_the_fine_tuning_workspace(tiny_qwen, tmp_path):
-    """The step estimate holds 40 bytes per quantised weight (float32 weights, int64 codes twice, sorted
-    rows, decoded weights and their gradient) and the rotated gate/up, not just the input and output."""
+    """The step estimate holds 38 bytes per quantised weight (float32 weights, int64 codes twice, sorted
+    rows, decoded weights, their gradient, validation weights) and the rotated gate/up, not just the input and output."""
     from moecompress.passes.codequant import WORKSPACE_BYTES_PER_WEIGHT
 
     rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "steps": [{"codequant": {"bits": 4}}],

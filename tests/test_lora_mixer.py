@@ -175,3 +175,69 @@ def test_an_adapter_block_naming_a_file_outside_is_refused(pruned, tmp_path):
     (tmp_path / "o" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="not a file inside the checkpoint"):
         open_checkpoint(tmp_path / "o").adapter_files()
+
+
+def _spy_student(monkeypatch) -> dict:
+    from moecompress.training import stage
+
+    kept, real = {}, stage._parameters
+    monkeypatch.setattr(stage, "_parameters", lambda m, *a: kept.setdefault("m", m) and real(m, *a))
+    return kept
+
+
+@pytest.fixture(scope="module")
+def healed(pruned, tmp_path_factory):
+    out = tmp_path_factory.mktemp("healed") / "o"
+    _heal(pruned, out, target="attention_routed", steps=1)
+    return out
+
+
+@pytest.mark.parametrize("train_adapters", [True, False])
+def test_a_distill_after_routed_lora_heal_trains_the_stored_adapters(healed, tmp_path, monkeypatch, train_adapters):
+    kept = _spy_student(monkeypatch)
+    step = {"distill": {**SMALL, "method": "sft", "train_adapters": train_adapters}}
+    mc.apply({"model": str(healed), "output": str(tmp_path / "d"), "calibration": CAL, "steps": [step]},
+             progress=False)  # fmt: skip
+    assert type(kept["m"].model.layers[0].self_attn.q_proj) is RoutedLoRALinear  # in the training forward
+    before, after = load_file(healed / FILE), load_file(tmp_path / "d" / FILE)
+    assert set(before) == set(after)
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert bool(moved) is train_adapters, moved
+    assert json.loads((tmp_path / "d" / "config.json").read_text())[CONFIG_KEY]["modules"]
+    loaded = mc.load(tmp_path / "d")
+    with torch.no_grad():
+        want, got = kept["m"](IDS).logits, loaded(IDS).logits
+    assert (want - got).abs().max() <= torch.finfo(torch.float32).eps * 64 * 3 * float(want.abs().max())
+
+
+def test_routed_lora_heal_twice_trains_the_same_adapters_on(healed, tmp_path):
+    summary = _heal(healed, tmp_path / "p", target="attention_routed", method="sft", steps=1)
+    before, after = load_file(healed / FILE), load_file(tmp_path / "p" / FILE)
+    assert set(before) == set(after) and summary["trainable_params"] == sum(v.numel() for v in before.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(mc.MoecompressError, match="already has routed attention adapters"):
+        _heal(healed, tmp_path / "q", target="attention", steps=1)
+
+
+def test_load_balance_term_is_one_when_uniform_and_grows_when_routing_collapses():
+    from moecompress.methods.lora import load_balance_loss
+
+    uniform = torch.zeros(6, 3)  # p = 1/3 everywhere; 6 tokens x top-1 spread evenly over 3 experts
+    assert torch.allclose(load_balance_loss(uniform, torch.tensor([[0], [1], [2], [0], [1], [2]])), torch.tensor(1.0))
+    peaked = torch.tensor([[4.0, 0.0, 0.0]]).expand(6, 3)  # every token prefers expert 0
+    got = load_balance_loss(peaked, torch.zeros(6, 1, dtype=torch.int64))
+    p0 = torch.tensor([4.0, 0.0, 0.0]).softmax(0)[0]
+    assert torch.allclose(got, 3 * p0) and got > 2.5
+    logits = torch.randn(5, 4, requires_grad=True)
+    load_balance_loss(logits, logits.topk(2, dim=-1).indices).backward()
+    assert logits.grad.abs().sum() > 0  # trains the router through p-bar
+
+
+def test_router_balance_loss_is_added_with_its_weight_and_moves_the_routers(pruned, tmp_path):
+    on = _heal(pruned, tmp_path / "on", target="attention_routed", steps=1)
+    off = _heal(pruned, tmp_path / "off", target="attention_routed", steps=1, lora_balance=0.0)
+    assert on["lora_balance"] == 0.01 and off["lora_balance"] == 0.0 and off["balance_first"] is None
+    assert on["balance_first"] >= 1.0  # >= 1, equality only for perfectly balanced routing
+    assert on["loss_first"] == pytest.approx(off["loss_first"] + 0.01 * on["balance_first"], rel=1e-6)
+    a, b = load_file(tmp_path / "on" / FILE), load_file(tmp_path / "off" / FILE)
+    assert any(k.endswith(".router") and not torch.equal(a[k], b[k]) for k in a)

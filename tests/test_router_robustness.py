@@ -95,3 +95,18 @@ def test_recipe_before_and_after_a_step(tmp_path):
     ]
     assert reps[0]["stability_jaccard"] == 1.0 and reps[0]["attack"]["0.0"]["jaccard"] == 1.0
     assert reps[2]["stability_jaccard"] < 1.0
+
+
+def test_logit_stability_compares_routings_on_different_inputs():
+    """The drift metric (benchmarks/quality.py --drift): identical logits give J = 1, KL = 0; a pruned
+    router's columns map back to the base ids; drifted inputs lower J."""
+    from moecompress.methods.robustness import logit_stability
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    assert logit_stability(base, base, 2) == {"jaccard": 1.0, "kl": 0.0}
+    kept = torch.tensor([0, 2, 3, 5, 6, 7])
+    same = logit_stability(base, base[:, kept], 2, kept)
+    assert same["kl"] < 1e-12 and 0 < same["jaccard"] < 1  # tokens that chose 1 or 4 now differ
+    drifted = logit_stability(base, base + 0.5 * torch.randn(64, 8, generator=g, dtype=torch.float64), 2)
+    assert drifted["jaccard"] < 1 and drifted["kl"] > 0

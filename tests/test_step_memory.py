@@ -8,6 +8,7 @@ from tiny import save_tiny
 
 import moecompress as mc
 from moecompress.engine import resources
+from moecompress.engine.recipe import load_recipe
 from moecompress.errors import RecipeError
 from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
@@ -76,3 +77,30 @@ def test_a_step_that_does_not_fit_is_refused_in_the_dry_run(tmp_path):
     with pytest.raises(RecipeError, match=r"step 1 \(heapr\) needs about .* GiB .* layer 0 .* calibration\.memory_limit"):
         mc.apply(rec, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_copied_tensors_are_read_in_bounded_groups():
+    from moecompress.io.reader import read_groups
+
+    sizes = {"a": 3, "b": 4, "c": 10, "d": 1, "e": 2}
+    groups = read_groups(list(sizes), sizes.__getitem__, limit=7)
+    assert groups == [["a", "b"], ["c"], ["d", "e"]]  # in order; a tensor over the limit alone
+    assert [k for g in groups for k in g] == list(sizes)
+
+
+def test_dry_run_counts_the_largest_copied_tensor_twice(tmp_path):
+    rec = _rec(tmp_path)
+    dry = mc.apply(rec, dry_run=True, progress=False).report["dry_run"]
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    moe = {k for i in ckpt.moe_layer_indices for k in ckpt.raw_moe_keys(i)}
+    rest = [k for k in ckpt.raw.keys if k not in moe]
+    largest = max((sum(ckpt.raw.nbytes(k) for k in keys if k not in moe), idx)
+                  for idx, keys in ckpt.key_groups(raw=True))  # fmt: skip
+    # tiny tensors: every group fits in one read, so a group of tensors is the unit
+    assert dry["copy_memory_bytes"] == resources.STEP_BASE_BYTES + 2 * largest[0]
+    assert dry["copy_largest_tensor"] in rest
+    plan = {**dry, "calibration_memory_bytes": 0, "step_memory": {}}
+    recipe = load_recipe(rec)
+    with pytest.raises(RecipeError, match=r"copying the tensors outside the MoE layers needs about"):
+        resources.check(recipe, plan, tmp_path, memory=dry["copy_memory_bytes"] - 1, disk_free=None)
+    resources.check(recipe, plan, tmp_path, memory=dry["copy_memory_bytes"], disk_free=None)

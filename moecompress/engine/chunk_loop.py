@@ -26,7 +26,7 @@ from moecompress.calibration.cache import load_layer
 from moecompress.engine import chunks
 from moecompress.engine.layer_loop import raw_selection, write_raw
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
-from moecompress.engine.resources import rss_mb
+from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.errors import MoecompressError, PassError
 from moecompress.io.format import encode_bank, encode_layer, encode_routing, is_stock, layer_shape
@@ -224,6 +224,7 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
             run.peak[step.number] = max(run.peak[step.number], rss_mb())
             cur = new
         del cur
+        release_freed()  # the chunk's memory back to the system before the next chunk is read
     _finish(run, idx, shells, parts, infos, chunk_infos, bnds, changed, secs, written, stock, err, raw)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moecompress.engine.distributed import SINGLE, Ranks
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
@@ -21,25 +22,31 @@ class RunContext:
     """``dtype``: compute dtype of calibration and of the reconstruction errors; ``device``: where
     they run; ``seed``: the calibration seed; ``progress``: whether to show progress bars;
     ``expert_chunks``: MoE layer index -> experts per chunk, for the layers read, calibrated, compressed
-    and written by chunks of experts (a layer not listed is held whole; the dry run's ``expert_chunk``)."""
+    and written by chunks of experts (a layer not listed is held whole; the dry run's ``expert_chunk``);
+    ``ranks``: this process among the ``torchrun`` ranks (:mod:`moecompress.engine.distributed`)."""
 
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
     expert_chunks: Mapping[int, int] = field(default_factory=dict)
+    ranks: Ranks = SINGLE
 
     @classmethod
     def for_recipe(
-        cls, recipe: Recipe, ckpt: Checkpoint, *, progress: bool = True, plan: Mapping | None = None
-    ) -> RunContext:
+        cls, recipe: Recipe, ckpt: Checkpoint, *, progress: bool = True, plan: Mapping | None = None,
+        ranks: Ranks = SINGLE,
+    ) -> RunContext:  # fmt: skip
         """The context of ``recipe`` on ``ckpt``; ``plan``: its dry run, whose ``expert_chunk`` lists the
-        layers held by chunks (without one, every layer is held whole)."""
+        layers held by chunks (without one, every layer is held whole). ``ranks``: on CUDA, each rank
+        computes on its own device (``cuda:LOCAL_RANK``)."""
+        device = resolve_device(recipe.calibration.device)
         return cls(
             dtype=compute_dtype(recipe, ckpt),
-            device=resolve_device(recipe.calibration.device),
+            device=ranks.device if ranks.world_size > 1 and device != "cpu" else device,
             seed=recipe.calibration.seed,
-            progress=progress,
+            progress=progress and ranks.is_writer,
+            ranks=ranks,
             expert_chunks={int(i): int(n) for i, n in ((plan or {}).get("expert_chunk") or {}).items()},
         )
 

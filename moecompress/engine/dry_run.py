@@ -203,4 +203,5 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         "expert_chunk": {str(i): n for i, n in sorted(chunked.items())},
         "dequantize_output": dequantize,
     }
+    plan["copy_memory_bytes"], plan["copy_largest_tensor"] = resources.copy_peak(ckpt, raw=not dequantize)
     return {**plan, **segments.stage_plan(recipe, ckpt, plan)} if segments.has_stages(recipe) else plan

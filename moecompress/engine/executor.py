@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.engine import resources, segments
-from moecompress.engine.context import RunContext
+from moecompress.engine import distributed, resources, segments
+from moecompress.engine.context import RunContext, resolve_device
+from moecompress.engine.distributed import Launch
 from moecompress.engine.dry_run import dry_run
 from moecompress.engine.journal import JOURNAL, finished, resumable, staging_dir
 from moecompress.engine.lock import RunLock
@@ -162,11 +164,14 @@ def calibrate_stats(
     }
     cache = StatsCache(root, model_key(ckpt), key)
     found = cache.find(needs) if on_layer is None else None
-    if found is not None:
+    ranks = ctx.ranks
+    if ranks.from_writer(found is not None):  # rank 0 decides for every rank
         log.info("reusing calibration statistics from %s", found)
-        return found, {"cached": True, "entry": str(found)}
-    with RunLock(cache.entry_path(needs), f"statistics cache entry {cache.entry_path(needs)}"):
-        entry = cache.begin(needs)
+        return found, {"cached": True, "entry": str(found)}  # type: ignore[arg-type]
+    writer = ranks.is_writer  # only rank 0 locks, writes and finishes the cache entry
+    lock = RunLock(cache.entry_path(needs), f"statistics cache entry {cache.entry_path(needs)}") if writer else None
+    with lock or nullcontext():
+        entry = cache.begin(needs) if writer else None
         t0 = time.perf_counter()
         try:
             summary = run_calibration(
@@ -175,16 +180,20 @@ def calibrate_stats(
                 needs,
                 sample_tokens=c.sample_tokens,
                 offload=c.offload,
-                save_forward=lambda i, s: save_layer(entry, i, s),
-                save_backward=lambda i, s: save_layer(entry, i, s, grad=True),
+                save_forward=lambda i, s: save_layer(entry, i, s) if writer else None,
+                save_backward=lambda i, s: save_layer(entry, i, s, grad=True) if writer else None,
                 on_layer=on_layer,
                 progress=ctx.progress,
                 expert_chunks=ctx.expert_chunks,
+                ranks=ranks,
             )
         except BaseException:
-            cache.abort(entry)  # a failed calibration leaves no partial entry behind
+            if entry is not None:
+                cache.abort(entry)  # a failed calibration leaves no partial entry behind
             raise
         summary = {**summary, "seconds": round(time.perf_counter() - t0, 3), "cached": False}
+        if entry is None:  # a rank other than 0: its share is merged into rank 0's entry
+            return cache.entry_path(needs), summary
         final = cache.finish(entry, needs, summary)
     return final, {**summary, "entry": str(final)}
 
@@ -226,9 +235,11 @@ def apply(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    launch: Launch | None = None,
 ) -> RunResult:
     """Run a recipe; see the module docstring. ``passes``: extra steps (plugins) besides the built-in
-    ones. Returns the output directory and the run report."""
+    ones. ``launch``: this process among ``torchrun``'s ranks (``docs/distributed.md``; rank 0 writes).
+    Returns the output directory and the run report."""
     rec = _coerce(recipe, overrides, passes)
     out = Path(rec.output)
     journal = None
@@ -250,31 +261,43 @@ def apply(
             log.info("nothing durable to resume in %s; starting over", out)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
-    with RunLock(out, f"output {out}"):
-        if not resume and out.exists() and not overwrite:  # it may have appeared while we checked
+    launch = launch or Launch()
+    if launch.world_size > 1 and segments.has_stages(rec):
+        raise RecipeError("whole-model stages (distill, lora_heal) do not run under torchrun yet; run one process")
+    ranks = distributed.start(launch, resolve_device(rec.calibration.device))
+    ranks.barrier()  # every rank has checked the output before rank 0 may write it
+    with RunLock(out, f"output {out}") if ranks.is_writer else nullcontext():
+        if not resume and out.exists() and not overwrite and ranks.is_writer:  # it may have appeared meanwhile
             raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
         try:
+            if not ranks.is_writer:
+                return _compress(rec, ckpt, plan, fingerprint, None, False, ranks)
             if segments.has_stages(rec):  # whole-model stages: the recipe runs as segments
                 sub = lambda r, again: apply(r, resume=again, overwrite=True, progress=progress).report  # noqa: E731
                 report = segments.run_segments(rec, ckpt, plan, resume=resume, progress=progress, run_layers=sub)
                 return RunResult(out, report)
-            return _compress(rec, ckpt, plan, fingerprint, journal, progress)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; {_leftover(rec)}") from None
-        except OSError as err:
-            raise WriteError(f"cannot write {err.filename or rec.output}: {err.strerror}; {_leftover(rec)}") from None
-        except SafetensorError as err:
-            raise WriteError(f"cannot write the output ({err}); {_leftover(rec)}") from None
+            return _compress(rec, ckpt, plan, fingerprint, journal, progress, ranks)
         except MoecompressError as err:
-            raise _with_note(err, _leftover(rec, keep=isinstance(err, CacheError))) from None
+            if ranks.is_writer:
+                raise _with_note(err, _leftover(rec, keep=isinstance(err, CacheError))) from None
+            raise _with_note(err, f"rank {ranks.rank} writes nothing") from None
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; {_left(rec, ranks)}") from None
+        except OSError as err:
+            raise WriteError(f"cannot write {err.filename or rec.output}: {err.strerror}; {_left(rec, ranks)}") from None
+        except SafetensorError as err:
+            raise WriteError(f"cannot write the output ({err}); {_left(rec, ranks)}") from None
+        finally:
+            distributed.stop(ranks)
 
 
 DATA_FREE_NOTE = "calibration.source: none: no calibration tokens were read and no statistics collected"
 NOT_MEASURED = "reconstruction errors were not measured (calibration.source: none): null, not 0"
 
 
-def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, progress: bool):
-    ctx = RunContext.for_recipe(rec, ckpt, progress=progress, plan=plan)
+def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, progress: bool,
+              ranks: distributed.Ranks = distributed.SINGLE):  # fmt: skip
+    ctx = RunContext.for_recipe(rec, ckpt, progress=progress, plan=plan, ranks=ranks)
     t0 = time.perf_counter()
     entry: Path | None
     if rec.calibration.data_free:  # no tokens, no sweep, no cache entry; nothing to compare against
@@ -291,6 +314,8 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
             on_layer=compress_for_propagation(rec, ctx.device) if compressed else None,
             cache_key_extra=rec.fingerprint() if compressed else "",
         )  # fmt: skip
+    if not ranks.is_writer:  # its calibration share is done; rank 0 runs the layer loop and writes
+        return RunResult(Path(rec.output), {"rank": ranks.rank, "calibration": calib}, cache_entry=entry)
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
     run.loop()
@@ -309,6 +334,11 @@ def _with_note(err: MoecompressError, note: str) -> MoecompressError:
         out = MoecompressError(f"{err}; {note}")
         out.exit_code = err.exit_code
         return out
+
+
+def _left(rec: Recipe, ranks: distributed.Ranks) -> str:
+    """:func:`_leftover` on the writing rank; the other ranks never touch the output."""
+    return _leftover(rec) if ranks.is_writer else f"rank {ranks.rank} writes nothing"
 
 
 def _leftover(rec: Recipe, keep: bool = True) -> str:

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from moecompress.engine.resources import release_freed
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output, output_quantization_config
+from moecompress.io.reader import read_groups
 from moecompress.io.routing import routing_tensors, stored_policy
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
@@ -60,10 +62,12 @@ def stream_layers(
             on_moe(idx)
             owned = set(ckpt.raw_moe_keys(idx) if raw else ckpt.moe_keys(idx))
         rest = [k for k in keys if k not in owned]
-        if rest and writers:
-            tensors = source.get_many(rest)
+        for part in read_groups(rest, source.nbytes) if writers else []:
+            tensors = source.get_many(part)
             for w in writers:
                 w.add_many(tensors)
+            del tensors  # written: the next group is read into the memory this one held
+            release_freed()
 
 
 def raw_layer_tensors(ckpt: Checkpoint, idx: int) -> dict | None:

@@ -34,6 +34,7 @@ from moecompress.calibration.sweep import OFFLOAD_AUTO_BYTES, PROPAGATE_CHUNKED
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.reader import read_groups
 from moecompress.io.writer import parse_size
 from moecompress.ir import MoELayer, cast_layer
 from moecompress.methods.attribution import ATTRIB_TOKENS, trace_bytes
@@ -176,6 +177,13 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
             f"{limit / GiB:.1f} GiB are {where}; lower calibration.samples, seq_len or batch_size"
             + (" or use calibration.offload: disk" if plan["backward"] else "")
         )
+    copy = plan.get("copy_memory_bytes", 0)
+    if limit is not None and copy > limit:
+        raise RecipeError(
+            f"copying the tensors outside the MoE layers needs about {copy / GiB:.1f} GiB of memory (the largest, "
+            f"{plan.get('copy_largest_tensor')!r}, is read whole) but {limit / GiB:.1f} GiB are {where}; "
+            "run it on a machine with more memory"
+        )
     worst = max(plan.get("step_memory", {}).items(), key=lambda kv: kv[1]["bytes"], default=None)
     if limit is not None and worst is not None and worst[1]["bytes"] > limit:
         label, w = worst
@@ -227,6 +235,43 @@ def free_disk(path: Path) -> int | None:
         return shutil.disk_usage(p).free
     except OSError:
         return None
+
+
+def release_freed() -> None:
+    """Hand the memory freed since the last call back to the system (glibc's ``malloc_trim``; a no-op
+    elsewhere). Called after each chunk of experts and each group of copied tensors: tensors under glibc's
+    dynamic mmap threshold (up to 32 MiB, e.g. one DeepSeek-V3 expert projection) live on the heap, whose
+    freed pages glibc otherwise keeps, so resident memory crept up chunk by chunk (measured 2.3 -> 4.2 GiB
+    over four chunks of 16 DeepSeek-V3 experts; flat at 2.8 GiB with this call: RESULTS.md, issue 18)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return None
+
+
+def copy_peak(ckpt: Checkpoint, raw: bool = True) -> tuple[int, str | None]:
+    """Estimated peak bytes of copying the tensors outside the MoE layers (embeddings, head, dense
+    layers, attention; ``raw``: in the input's encoding): what every run holds and the largest group :func:`moecompress.io.reader.read_groups` reads at
+    once, twice (mapped pages and copies); with the name of the largest such tensor."""
+    src, moe, worst, name = (ckpt.raw if raw else ckpt.reader), set(ckpt.moe_layer_indices), 0, None
+    for idx, keys in ckpt.key_groups(raw=raw):
+        owned = set((ckpt.raw_moe_keys if raw else ckpt.moe_keys)(idx)) if idx in moe else set()
+        for group in read_groups([k for k in keys if k not in owned], src.nbytes):
+            size = sum(src.nbytes(k) for k in group)
+            if size > worst:
+                worst, name = size, max(group, key=src.nbytes)
+    return STEP_BASE_BYTES + 2 * worst, name
 
 
 def rss_mb() -> float:

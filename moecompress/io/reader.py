@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -237,3 +237,23 @@ def _parse_index(index: Path) -> dict[str, set[str]]:
             )
         shards.setdefault(shard, set()).add(name)
     return shards
+
+
+COPY_GROUP_BYTES = 256 * 2**20
+"""The most bytes :func:`moecompress.engine.layer_loop.stream_layers` reads at once to copy (one tensor
+when it is larger): while a group is read its bytes are held twice (mapped pages and copies), so a DeepSeek-V3 embedding table and
+head read together would cost 7.4 GB instead of 3.7 GB (measured: RESULTS.md, issue 18 estimate gap)."""
+
+
+def read_groups(keys: Sequence[str], nbytes: Callable[[str], int], limit: int = COPY_GROUP_BYTES) -> list[list[str]]:
+    """``keys`` in order, cut into consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+    out: list[list[str]] = []
+    size = 0
+    for k in keys:
+        n = nbytes(k)
+        if not out or (size + n > limit and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += n
+    return out

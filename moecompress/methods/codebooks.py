@@ -17,7 +17,16 @@ from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.methods.kmeans import SortedRows, kmeans_1d, nearest
 from moecompress.methods.rotation import fake_quant_tokens
-from moecompress.reference import bank_input, moe_forward, route, router_logits
+from moecompress.reference import (
+    _hidden,
+    bank_input,
+    expert_forward,
+    moe_forward,
+    physical_ids,
+    route,
+    router_logits,
+    shared_forward,
+)
 
 
 def rotate_bank(bank: ExpertBank, rotation: torch.Tensor, exempt: frozenset[int]) -> ExpertBank:
@@ -45,14 +54,15 @@ def decode(cents: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def cluster(
-    w: torch.Tensor, bits: int, gs: int, *, iters: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w: torch.Tensor, bits: int, gs: int, *, iters: int, seed: int, keep_sorted: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, SortedRows]:
     """Per-group k-means (k-means++ seeded) of ``w`` ``[M, out, in]``: ``(cents [M, out, G, K], codes)``.
-    Every group of every expert at once (:func:`kmeans_1d` chunks the rows to bound memory)."""
+    Every group of every expert at once (:func:`kmeans_1d` chunks the rows to bound memory).
+    ``keep_sorted``: also the groups' :class:`SortedRows` (``reassign_rows(w, G, None)`` without a sort)."""
     m, out, inn = w.shape
     g, k = inn // gs, 1 << bits
-    c, a = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed)
-    return c.view(m, out, g, k), a.view(m, out, inn)
+    res = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed, keep_sorted=keep_sorted)
+    return (res[0].view(m, out, g, k), res[1].view(m, out, inn), *res[2:])  # type: ignore[return-value]
 
 
 def reassign(
@@ -121,13 +131,75 @@ def router_kl(orig: MoELayer, new: MoELayer, x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def with_weights(layer: MoELayer, weights: dict[tuple[str, str], torch.Tensor]) -> MoELayer:
-    """``layer`` whose projections ``{(bank, proj): W}`` (bank ``experts`` or ``shared``) are replaced by
-    the dense ``W`` (may require grad)."""
-    banks: dict[str, dict[str, Dense]] = {}
-    for (bank, proj), w in weights.items():
-        banks.setdefault(bank, {})[proj] = Dense(w)
-    return layer.replace(**{b: dataclasses.replace(getattr(layer, b), **lays) for b, lays in banks.items()})
+class _Blocks:
+    """The MoE block on fixed tokens ``x`` as a function of the quantised experts' weights only.
+
+    The router is full precision and reads the same input whatever the centroids, so the routing
+    (each expert's tokens and weights), the rotated (and activation-quantised) expert input, and the
+    output of everything no part covers (protected experts, an unquantised shared expert) are computed
+    once; a forward then runs only the quantised experts, each on its own routed tokens."""
+
+    def __init__(self, rotated: MoELayer, parts: dict[tuple[str, str], dict], x: torch.Tensor) -> None:
+        bank = rotated.experts
+        ids, weights = route(rotated, x)
+        n_logical = bank.num_experts if rotated.expert_map is None else rotated.expert_map.numel()
+        phys = physical_ids(ids, n_logical, rotated.expert_map)
+        routed = next((p["ids"] for (b, _), p in parts.items() if b == "experts"), [])
+        self.pos = {e: i for i, e in enumerate(routed)}
+        self.rotated, self.xin, self.x = rotated, bank_input(bank, x), x
+        self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.no_grad():
+            const = torch.zeros(x.shape, dtype=torch.float32)
+            for e in torch.unique(phys).tolist():
+                if e < 0:
+                    continue
+                tok, slot = torch.where(phys == e)
+                w = weights[tok, slot, None].float()
+                if e in self.pos:
+                    self.routes[e] = (tok, w)
+                else:
+                    const.index_add_(0, tok, expert_forward(bank, e, x[tok]).float() * w)
+            self.shared_gate = None
+            self.shared = rotated.shared is not None and any(b == "shared" for b, _ in parts)
+            if rotated.shared is not None and not self.shared:
+                const += shared_forward(rotated, x)
+            elif self.shared and rotated.shared_gate is not None:
+                self.shared_gate = torch.sigmoid(F.linear(x.float(), rotated.shared_gate.float()))
+        self.const = const
+        self.dense: dict[tuple[str, str], torch.Tensor] = {}  # projections no part covers (scope)
+        for b in ("experts",) + (("shared",) if self.shared else ()):
+            for proj in ("gate", "up", "down"):
+                if (b, proj) not in parts:
+                    src, keep = getattr(rotated, b), routed if b == "experts" else [0]
+                    part = {
+                        "proj": proj,
+                        "ids": keep,
+                        "live": next(p["live"] for (c, _), p in parts.items() if c == b),
+                    }
+                    self.dense[b, proj] = getattr(src, proj).dense().float()[part_slice(part)]
+
+    def _weights(self, b: str, ws: dict[tuple[str, str], list[torch.Tensor]], i: int) -> list[torch.Tensor]:
+        return [ws[b, p][i] if (b, p) in ws else self.dense[b, p][i] for p in ("gate", "up", "down")]
+
+    def forward(self, ws: dict[tuple[str, str], list[torch.Tensor]]) -> torch.Tensor:
+        """Block output ``[T, H]`` (fp32) with the quantised experts' weights ``ws`` ``{(bank, proj): [W_i]}``
+        (one ``[live, in]`` / ``[out, live]`` matrix per part expert, in the part's ``ids`` order)."""
+        toks, ys = [], []
+        bank = self.rotated.experts
+        for e, (tok, w) in self.routes.items():
+            ys.append(_expert(bank, e, self.xin[tok], *self._weights("experts", ws, self.pos[e])) * w)
+            toks.append(tok)
+        out = self.const if not toks else self.const.index_add(0, torch.cat(toks), torch.cat(ys))
+        if self.shared:
+            s = _expert(self.rotated.shared, 0, self.x.float(), *self._weights("shared", ws, 0))  # type: ignore[arg-type]
+            out = out + (s if self.shared_gate is None else s * self.shared_gate)
+        return out
+
+
+def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> torch.Tensor:
+    """Expert ``e`` of ``bank`` on its (rotated) input with live-cut weights (as :func:`expert_forward`)."""
+    y = _hidden(bank, e, xin @ wg.T, xin @ wu.T) @ wd.T
+    return y + bank.biases["down"][e] if "down" in bank.biases else y
 
 
 def part_slice(part: dict) -> tuple:
@@ -136,6 +208,14 @@ def part_slice(part: dict) -> tuple:
     idx = torch.tensor(part["ids"], dtype=torch.long)
     live = slice(0, part["live"])
     return (idx, slice(None), live) if part["proj"] == "down" else (idx, live)
+
+
+def _leaves(cents: dict, codes: dict, grad: bool) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """Decoded weights of every part, one tensor per expert (leaves of the autograd graph when ``grad``:
+    a gradient lands in its expert's ``[out, in]`` only, never in a dense copy of the bank)."""
+    with torch.no_grad():
+        dec = {k: decode(cents[k].detach(), codes[k]) for k in cents}
+    return {k: [w.detach().requires_grad_(grad) for w in d.unbind(0)] for k, d in dec.items()}
 
 
 def finetune(
@@ -155,65 +235,73 @@ def finetune(
     minimise ``‖MoE_q(x) − MoE(x)‖² / ‖MoE(x)‖² + kl_weight · KL(router)`` on ``x_fit``; the step size of
     each projection is ``lr`` times its mean |weight|. The centroids (float16-rounded) with the lowest
     error on ``x_val`` are kept (the k-means result when no step improves). Updates ``parts`` in place
-    and returns the fit/validation errors."""
+    and returns the fit/validation errors.
+
+    Cost per step: the quantised experts' forward and backward on their routed tokens only (the routing
+    and everything the centroids do not change are computed once, :class:`_Blocks`); the weights are
+    decoded per expert and each expert's weight gradient is scattered into its centroids
+    (``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``); one reassignment of every weight; a validation forward.
+    The router KL is a constant (the router and its input do not depend on the centroids: exactly 0 for
+    codequant, which never changes them), so it is computed once."""
     with torch.no_grad():
         y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
-    full = {}  # the dense projections a part covers only partly (protected experts, pruned neurons)
-    for key, p in parts.items():
-        lay = getattr(getattr(rotated, key[0]), key[1])
-        if list(p["ids"]) != list(range(lay.shape[0])) or tuple(p["w"].shape) != tuple(lay.shape):
-            full[key] = lay.dense().float()
-
-    def weights(cents: dict, codes: dict) -> dict[tuple[str, str], torch.Tensor]:
-        out = {}
-        for key in parts:
-            dec = decode(cents[key], codes[key])
-            if key not in full:  # every expert, full width: nothing of the dense weights survives
-                out[key] = dec
-                continue
-            w = full[key].clone()
-            w[part_slice(parts[key])] = dec
-            out[key] = w
-        return out
+        kl_const = float(router_kl(layer, rotated, x_fit)) if kl_weight else 0.0
+    fit, val = _Blocks(rotated, parts, x_fit), _Blocks(rotated, parts, x_val)
 
     def val_error(cents, codes) -> float:
         with torch.no_grad():
             rounded = {k: v.half().float() for k, v in cents.items()}
-            return rel_error(moe_forward(with_weights(rotated, weights(rounded, codes)), x_val), y_val)
+            return rel_error(val.forward(_leaves(rounded, codes, False)), y_val)
 
     codes = {k: p["codes"] for k, p in parts.items()}
-    rows = {k: reassign_rows(p["w"], p["cents"].shape[2], p["scale"]) for k, p in parts.items()} if steps else {}
+    rows = {
+        k: p.pop("rows", None) or reassign_rows(p["w"], p["cents"].shape[2], p["scale"]) for k, p in parts.items()
+    } if steps else {}  # fmt: skip
     params = {k: p["cents"].float().clone().requires_grad_(True) for k, p in parts.items()}
     opt = torch.optim.Adam(
         [{"params": [params[k]], "lr": lr * float(parts[k]["w"].abs().mean())} for k in params]
     )
-    best = (val_error(params, codes), {k: v.detach().clone() for k, v in params.items()}, dict(codes), 0)
-    start, fit_first, fit_last, kl_last = best[0], None, None, 0.0
+    best = (val_error(params, codes), {k: v.detach().clone() for k, v in params.items()}, 0)
+    first_codes = dict(codes)  # the k-means codes: the working codes of later steps are updated in place
+    start, fit_first, fit_last = best[0], None, None
     denom = float((y_fit.double() ** 2).sum().clamp_min(1e-30)) / y_fit.numel()
     for step in range(1, steps + 1):
-        q = with_weights(rotated, weights(params, codes))
-        loss = ((moe_forward(q, x_fit).float() - y_fit) ** 2).mean() / denom
+        ws = _leaves(params, codes, True)
+        loss = ((fit.forward(ws) - y_fit) ** 2).mean() / denom
         fit_first = float(loss.detach()) if fit_first is None else fit_first
-        if kl_weight:
-            kl = router_kl(layer, q, x_fit)
-            kl_last = float(kl.detach())
-            loss = loss + kl_weight * kl
-        opt.zero_grad()
         loss.backward()
-        opt.step()
-        fit_last = float(loss.detach())
         with torch.no_grad():
-            codes = {k: reassign(parts[k]["w"], params[k], parts[k]["scale"], rows[k]) for k in params}
+            for k, p in params.items():
+                _, out, g, _ = p.shape
+                grad = torch.zeros_like(p)
+                for i, w in enumerate(ws[k]):
+                    if w.grad is not None:
+                        grad[i].scatter_add_(2, codes[k][i].view(out, g, -1), w.grad.view(out, g, -1))
+                p.grad = grad
+        opt.step()
+        fit_last = float(loss.detach()) + kl_weight * kl_const
+        with torch.no_grad():
+            codes = {
+                k: rows[k].update(params[k].reshape(-1, params[k].shape[-1])).view_as(codes[k])
+                for k in params
+            }
         err = val_error(params, codes)
         if err < best[0]:
-            best = (err, {k: v.detach().clone() for k, v in params.items()}, dict(codes), step)
-    for k in parts:
-        parts[k]["cents"], parts[k]["codes"] = best[1][k], best[2][k]
+            best = (err, {k: v.detach().clone() for k, v in params.items()}, step)
+    ws = {}  # the last step's decoded weights and gradients: freed before a final reassignment
+    for k, p in parts.items():
+        p["cents"] = best[1][k]
+        if best[2] == 0:
+            p["codes"] = first_codes[k]
+        elif best[2] == steps:
+            p["codes"] = codes[k]
+        else:  # the same codes as that step's reassignment (a function of its centroids)
+            p["codes"] = reassign(p["w"], best[1][k], p["scale"], rows[k])
     return {
         "val_error_kmeans": start,
         "val_error_final": best[0],
-        "best_step": best[3],
+        "best_step": best[2],
         "fit_loss_first": fit_first,
         "fit_loss_last": fit_last,
-        "router_kl": kl_last,
+        "router_kl": kl_const,
     }

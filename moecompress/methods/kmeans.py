@@ -62,13 +62,58 @@ class SortedRows:
             sv, perm = sorted_rows(values[a : a + self.step])
             self.sv[a : a + self.step], self.perm[a : a + self.step] = sv, perm.to(idx)
 
+    @classmethod
+    def presorted(cls, sv: torch.Tensor, perm: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> SortedRows:
+        """From rows already sorted (``sv``, in the values' dtype) and their permutation ``perm`` (as
+        :func:`kmeans_1d` ``keep_sorted`` gives): no second sort."""
+        self = cls.__new__(cls)
+        self.sv, self.perm, self.step = sv, perm, max(1, chunk_values // max(sv.shape[1], 1))
+        return self
+
     def assign(self, centroids: torch.Tensor) -> torch.Tensor:
-        """``nearest(values, centroids)`` (bit-identical), int64 ``[N, n]``."""
+        """``nearest(values, centroids)`` (bit-identical), int64 ``[N, n]``; kept (with the cuts of
+        ``centroids``) for :meth:`update`."""
         out = torch.empty(self.sv.shape, dtype=torch.int64, device=self.sv.device)
         for a in range(0, self.sv.shape[0], self.step):
             b = a + self.step
             out[a:b] = assign_sorted(self.sv[a:b], self.perm[a:b].long(), centroids[a:b])
+        self.codes, (self.bounds, self.order) = out, self._cuts(centroids)
         return out
+
+    def _cuts(self, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each row's sorted values are cut by the midpoints of its sorted centroids (the first
+        position of each cluster after the first), and the centroids' sorting order."""
+        c, order = centroids.sort(dim=-1)
+        mids = ((c[:, 1:] + c[:, :-1]) / 2).to(self.sv.dtype).contiguous()
+        return torch.searchsorted(self.sv, mids, right=True), order
+
+    def update(self, centroids: torch.Tensor) -> torch.Tensor:
+        """:meth:`assign` of new ``centroids`` (bit-identical), computed from the last one: only the values
+        between a cut's old and new position change cluster (``O(k log n)`` per row plus the values that
+        move), and rows whose centroids changed order are reassigned whole. Updates the codes returned
+        by the last :meth:`assign` in place and returns them."""
+        if not hasattr(self, "codes"):
+            return self.assign(centroids)
+        bounds, order = self._cuts(centroids)
+        n_rows, n = self.sv.shape
+        whole = (order != self.order).any(1)
+        lo, hi = torch.minimum(bounds, self.bounds), torch.maximum(bounds, self.bounds)
+        lengths = (hi - lo).masked_fill_(whole[:, None], 0).flatten()
+        total = int(lengths.sum())
+        if total > n_rows * n // 4:  # centroids moved far: a full pass is cheaper
+            return self.assign(centroids)
+        if total:
+            row = torch.arange(n_rows, device=lo.device).repeat_interleave(bounds.shape[1])
+            row = row.repeat_interleave(lengths)
+            first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+            pos = lo.flatten().repeat_interleave(lengths) + torch.arange(total, device=lo.device) - first
+            rank = (bounds[row] <= pos[:, None]).sum(1)
+            self.codes[row, self.perm[row, pos].long()] = order[row, rank]
+        redo = whole.nonzero()[:, 0]
+        if len(redo):
+            self.codes[redo] = assign_sorted(self.sv[redo], self.perm[redo].long(), centroids[redo])
+        self.bounds, self.order = bounds, order
+        return self.codes
 
 
 def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
@@ -93,9 +138,12 @@ def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
     return torch.cat(cents, 1)
 
 
-def _lloyd(v: torch.Tensor, c: torch.Tensor, iters: int, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _lloyd(
+    v: torch.Tensor, c: torch.Tensor, iters: int, tol: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lloyd iterations of the rows of ``v`` from centroids ``c``, each row until none of its centroids
-    moves by more than ``tol`` times its range; then exact means. ``(centroids, assignment)``. Rows
+    moves by more than ``tol`` times its range; then exact means. ``(centroids, assignment, sorted
+    rows, their permutation)``. Rows
     that converged leave the working set (compacted whenever it halves)."""
     sv, perm = sorted_rows(v)
     n_rows, n = sv.shape
@@ -128,28 +176,37 @@ def _lloyd(v: torch.Tensor, c: torch.Tensor, iters: int, tol: float) -> tuple[to
     sums = torch.zeros_like(c).scatter_add_(1, a, v)
     counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
     c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
-    return c, assign_sorted(sv, perm, c)
+    return c, assign_sorted(sv, perm, c), sv, perm
 
 
 def kmeans_1d(
     values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42,
-    chunk_values: int = CHUNK_VALUES,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    chunk_values: int = CHUNK_VALUES, keep_sorted: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, SortedRows]:  # fmt: skip
     """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
     (D² sampling driven by uniforms from a CPU generator seeded with ``seed``, one set per row, so the
     result does not depend on the chunking or the device), then Lloyd iterations, each row until none
     of its centroids moves by more than ``tol`` times the row's range, and a last exact-mean update.
     Rows are processed ``chunk_values // n`` at a time (bounded memory), in float64, on ``values``'
     device. Returns ``(centroids [N, k] ascending, assignment [N, n] int64)``. A row with at most ``k``
-    distinct values is reproduced exactly."""
+    distinct values is reproduced exactly. ``keep_sorted``: also return the rows' :class:`SortedRows`
+    (the sort the Lloyd steps made, kept in ``values``' dtype: no second sort for a reassignment)."""
     n_rows, n = values.shape
     dev = values.device
     u = torch.rand(k, n_rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
     cents = torch.empty(n_rows, k, dtype=values.dtype, device=dev)
     codes = torch.empty(n_rows, n, dtype=torch.int64, device=dev)
     step = max(1, chunk_values // max(n, 1))
+    if keep_sorted:
+        idx = torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
+        sv_all = torch.empty_like(values)
+        perm_all = torch.empty(n_rows, n, dtype=idx, device=dev)
     for a in range(0, n_rows, step):
         v = values[a : a + step].double()
-        c, codes[a : a + step] = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol)
+        c, codes[a : a + step], sv, perm = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol)
         cents[a : a + step] = c.to(values.dtype)
+        if keep_sorted:  # float64 of float32 values: the cast back is exact
+            sv_all[a : a + step], perm_all[a : a + step] = sv, perm.to(idx)
+    if keep_sorted:
+        return cents, codes, SortedRows.presorted(sv_all, perm_all, chunk_values)
     return cents, codes

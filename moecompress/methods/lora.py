@@ -30,3 +30,15 @@ def rows_delta(p: torch.Tensor, q: torch.Tensor, owner: torch.Tensor, scale: flo
         if bool(keep[e]):
             out = out.index_copy(0, idx, p[idx] @ q[e])
     return out * scale
+
+
+def load_balance_loss(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """LoRA-Mixer's router load-balancing term (the ``α Σ_i p̄_i f̄_i`` of its RSL, Switch-style scaled
+    by ``E``): ``E · Σ_e f_e · p̄_e`` with ``p̄_e`` the mean softmax probability of expert ``e`` over the
+    tokens and ``f_e`` the fraction of the ``T·K`` routed slots ``chosen [..., K]`` sends to it (counts,
+    no gradient). 1 when routing is uniform, ``E`` when every token goes to one expert and its
+    probability is 1; the gradient flows through ``p̄``."""
+    e = logits.shape[-1]
+    p = logits.float().softmax(dim=-1).reshape(-1, e).mean(0)
+    f = torch.bincount(chosen.reshape(-1), minlength=e).to(p.dtype) / chosen.numel()
+    return e * (f * p).sum()

@@ -4,7 +4,8 @@
   (element-wise), ``G = [τ_1 … τ_n]`` the task vectors of a group's members relative to its base.
 - :func:`average_linkage` — HC-SMoE's grouping: average-linkage agglomerative clustering of expert
   feature vectors, some ids kept as singletons (protected experts).
-- :func:`ward_linkage` — usage-weighted Ward clustering (the first-order merge loss; ``linkage: ward``).
+- :func:`ward_linkage` — usage-weighted Ward clustering (the first-order merge loss; ``linkage: ward``);
+  :func:`ward_costs` its per-merge loss curve and :func:`allocate_merges` a budget spent over layers (exact DP).
 - :func:`linear_assignment` and :func:`align_to` — weight matching: permute a member's intermediate
   neurons to its base's (neuron order in independently trained experts is arbitrary).
 - expert parameters as a small dict of float32 tensors (``gate [I, H]``, ``up [I, H]``, ``down [H, I]``
@@ -185,6 +186,28 @@ def ward_linkage(
             f"cannot form {n_groups} groups from {n} experts with {len(fixed)} kept as singletons "
             f"({fixed}); choose between {len(fixed) + (1 if free else 0)} and {n} groups"
         )
+    clusters, _ = _ward(features, weights, free, want)
+    groups = clusters + [[e] for e in fixed]
+    return sorted(groups, key=lambda g: g[0])
+
+
+def ward_costs(
+    features: torch.Tensor, weights: torch.Tensor, *, singletons: Iterable[int] = ()
+) -> list[float]:
+    """The increase ``Δ_m`` of the weighted within-cluster sum of squares at each merge ``m = 1, 2, …``
+    that :func:`ward_linkage` makes (the same sequence: the groups for ``n_groups`` are the first
+    ``n_free − want`` merges), down to one cluster of the non-singleton rows: ``n_free − 1`` values,
+    non-decreasing (Ward's criterion is reducible). ``ward_linkage(f, n_free − m, w)`` costs
+    ``Σ_{j≤m} Δ_j`` in that sum — the per-layer merge-loss curve :func:`allocate_merges` spends a
+    budget on."""
+    fixed = set(int(e) for e in singletons)
+    free = [e for e in range(features.shape[0]) if e not in fixed]
+    return _ward(features, weights, free, 1)[1] if free else []
+
+
+def _ward(
+    features: torch.Tensor, weights: torch.Tensor, free: list[int], want: int
+) -> tuple[list[list[int]], list[float]]:
     f = features.detach().double().flatten(1)[free] if free else torch.zeros(0, 1, dtype=torch.float64)
     if len(free) > 1:
         f = f - f.mean(0)
@@ -193,6 +216,7 @@ def ward_linkage(
     w = weights.detach().double().flatten()[free] if free else torch.zeros(0, dtype=torch.float64)
     w = w.clamp_min(1e-6 * max(float(w.mean()) if len(w) else 1.0, 1e-300))
     clusters = [[e] for e in free]
+    costs: list[float] = []
     mu, wt = f.clone(), w.clone()  # one row per live cluster
     sq = (mu[:, None, :] - mu[None, :, :]).pow(2).sum(-1)  # ‖μ_a − μ_b‖², all pairs; updated per merge
     while len(clusters) > want:
@@ -200,6 +224,7 @@ def ward_linkage(
         d = wt[:, None] * wt[None, :] / (wt[:, None] + wt[None, :]) * sq
         d = d.masked_fill(~torch.ones(m, m, dtype=torch.bool).triu(1), float("inf"))
         lowest = d.min()
+        costs.append(float(lowest))
         pairs = (d == lowest).nonzero().tolist()  # ties: the pair with the lowest ids
         i, j = min(pairs, key=lambda ij: (min(clusters[ij[0]]), min(clusters[ij[1]])))
         mu[i] = (wt[i] * mu[i] + wt[j] * mu[j]) / (wt[i] + wt[j])
@@ -210,8 +235,38 @@ def ward_linkage(
         mu, wt, sq = mu[keep], wt[keep], sq[keep][:, keep]
         i -= i > j
         sq[i] = sq[:, i] = (mu - mu[i]).pow(2).sum(-1)
-    groups = clusters + [[e] for e in fixed]
-    return sorted(groups, key=lambda g: g[0])
+    return clusters, costs
+
+
+def allocate_merges(curves: dict[int, list[float]], merges: int) -> dict[int, int]:
+    """Spend ``merges`` merges over layers: ``{layer: merges made there}`` minimising the summed cost,
+    ``curves[l][m]`` the cost of layer ``l``'s ``(m+1)``-th merge (e.g. :func:`ward_costs` or measured
+    merge errors, made comparable across layers), so ``m`` merges in layer ``l`` cost ``Σ_{j<m} c_l[j]``.
+    Exact for any curves (not only convex ones): dynamic programming over layers on the cumulative
+    costs, ``O(L · merges · E)``. Ties: fewer merges in the lower layer index. Raises
+    :class:`MethodError` when the curves hold fewer than ``merges`` merges."""
+    have = sum(len(c) for c in curves.values())
+    if merges < 0 or merges > have:
+        raise MethodError(f"cannot make {merges} merges: the layers allow between 0 and {have}")
+    layers = sorted(curves)
+    best = np.full(merges + 1, np.inf)
+    best[0] = 0.0
+    choice = []
+    for k in layers:
+        cum = np.concatenate([[0.0], np.cumsum(np.asarray(curves[k], dtype=np.float64))])
+        new, arg = np.full(merges + 1, np.inf), np.zeros(merges + 1, dtype=np.int64)
+        for m in range(min(len(cum) - 1, merges), -1, -1):  # ties: the smaller m wins (visited last)
+            cand = np.full(merges + 1, np.inf)
+            cand[m:] = best[: merges + 1 - m] + cum[m]
+            better = cand <= new
+            new[better], arg[better] = cand[better], m
+        best = new
+        choice.append(arg)
+    done, left = {}, merges
+    for k, arg in zip(reversed(layers), reversed(choice)):
+        done[k] = int(arg[left])
+        left -= done[k]
+    return {k: done[k] for k in layers}
 
 
 # ------------------------------------------------------------------------------- neuron weight matching

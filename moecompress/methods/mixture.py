@@ -27,6 +27,10 @@ import math
 
 import torch
 
+from moecompress.ir import MoELayer
+from moecompress.methods.merging import ward_costs
+from moecompress.reference import expert_forward, route, router_logits
+
 
 def reduce_features(blocks: list[torch.Tensor], dims: int) -> torch.Tensor:
     """``[n, min(dims, n−1)]``: each block ``[n, *]`` centred and scaled to unit total variance,
@@ -94,3 +98,71 @@ def choose_k(x: torch.Tensor, k_max: int | None = None, **kw) -> tuple[int, dict
         fit = fit_gmm(x, k, **kw)
         bic[k] = -2 * fit["loglik"] + (k * d + k) * math.log(max(n, 2))
     return min(bic, key=lambda k: (bic[k], k)), bic
+
+
+AUTO_TOKENS, AUTO_DIMS = 64, 16
+"""``target_experts: auto``: fit tokens whose expert outputs form the features; principal dimensions kept."""
+
+
+def choose_count(layer: MoELayer, x: torch.Tensor) -> tuple[int, dict]:
+    """``target_experts: auto`` (``choose_groups``): the number of groups of the unprotected experts by
+    :func:`~moecompress.methods.mixture.choose_k` (tied isotropic Gaussian mixture, EM, BIC) over their
+    features — each expert's outputs on the first ``AUTO_TOKENS`` fit tokens and its centred router-logit
+    column, each block scaled to unit variance, reduced to ``AUTO_DIMS`` principal dimensions —
+    plus one singleton per protected expert. ``K = 1`` is the mixture's null (no cluster structure):
+    the layer is kept whole rather than merged into one expert (on ref-mixtral, merging every
+    ``K = 1`` layer into one expert gave perplexity 411 against 38.9; benchmarks/RESULTS.md, issue 19)."""
+    bank = layer.experts
+    e = layer.router.num_experts
+    free = [i for i in range(e) if i not in layer.protected]
+    if len(free) < 3:
+        return e, {"groups": e, "bic": {}, "why": "fewer than 3 unprotected experts: nothing merged"}
+    xs = x[:AUTO_TOKENS]
+    outs = torch.stack([expert_forward(bank, i, xs).float() for i in free])
+    logits = router_logits(layer, x)
+    rows = (logits - logits.mean(1, keepdim=True)).T[free]
+    k, bic = choose_k(reduce_features([outs, rows], AUTO_DIMS))
+    info = {"free_groups": k, "bic": {str(a): round(b, 3) for a, b in bic.items()}}
+    if k == 1:  # the null: no cluster structure among the experts, so no group of them is interchangeable
+        return e, {"groups": e, **info, "why": "BIC finds one component (no clusters): the layer is kept"}
+    return k + e - len(free), {"groups": k + e - len(free), **info}
+
+
+def merge_curve(
+    layer: MoELayer,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    scale: str = "loss",
+    grad_cov: torch.Tensor | None = None,
+) -> list[float]:
+    """The layer's merge-loss curve: ``c[m]`` the cost of its ``(m+1)``-th merge in the order the merging
+    passes' default grouping makes them (usage-weighted Ward on each expert's outputs on the first
+    ``AUTO_TOKENS`` tokens of ``x``, protected experts singletons; :func:`ward_costs`), per token:
+
+    - ``loss`` (needs ``grad_cov`` = ``E[g gᵀ]``, ``g`` the LM-loss gradient at the MoE output): the
+      Fisher estimate of the loss increase, ``½ E_t Σ_i P(i routed) E[w²] ‖δ_i(x_t)‖²_G``, ``δ_i`` the
+      change of expert ``i``'s output and ``E[w²]`` the mean squared routing weight of a routed slot
+      (``Σ_i P(i routed) = top_k``) — in loss units, so comparable across layers;
+    - ``relative``: divided by the layer's usage-weighted expert output energy on the same tokens,
+      ``Σ_i f_i ‖E_i(x)‖²`` (the fraction of what the experts write that a merge loses);
+    - ``absolute``: in squared output units (usage frequencies ``f`` summing to 1)."""
+    bank = layer.experts
+    xs = x[:AUTO_TOKENS].float()
+    outs = torch.stack([expert_forward(bank, i, xs).double() for i in range(bank.num_experts)])  # [E, T, H]
+    f = counts.double().flatten().clamp_min(0)
+    f = f / f.sum() if float(f.sum()) > 0 else torch.full_like(f, 1 / len(f))
+    if scale == "loss":
+        if grad_cov is None:
+            raise ValueError("scale: loss needs the output-gradient covariance (out_grad_cov)")
+        lam, u = torch.linalg.eigh((grad_cov.double() + grad_cov.double().T) / 2)
+        outs = outs @ (u * lam.clamp_min(0).sqrt())  # ‖δ‖² in this basis = δᵀ G δ
+        _, w = route(layer, xs)
+        factor = 0.5 * float(w.double().pow(2).sum(1).mean())  # = ½ · top_k · E[w²]
+    costs = ward_costs(outs.flatten(1), f, singletons=layer.protected)
+    if scale == "loss":
+        denom = len(xs) / factor
+    elif scale == "relative":
+        denom = float((f * outs.flatten(1).pow(2).sum(1)).sum())
+    else:
+        denom = float(len(xs))
+    return [c / max(denom, 1e-300) for c in costs]

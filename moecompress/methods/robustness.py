@@ -69,3 +69,19 @@ def probe(scores: Scores, route_ids: Callable[[torch.Tensor], torch.Tensor], x: 
         j = topk_jaccard(route_ids(x), route_ids(xa))
         kl = router_kl(scores(x)[0], scores(xa)[0])
     return {"jaccard": float(j.mean()), "kl": float(kl.mean()), "flipped": float((j < 1).double().mean())}
+
+
+def logit_stability(
+    base: torch.Tensor, cur: torch.Tensor, top_k: int, mapping: torch.Tensor | None = None
+) -> dict:
+    """MoEEdit's stability between two routings of the same tokens given as router logits, each on its
+    own model's inputs (``base`` ``[T, E]``; ``cur`` ``[T, E']``, column ``j`` = base expert
+    ``mapping[j]``, identity when ``None``): top-k Jaccard of the selected sets (top-k of the logits:
+    softmax gating without selection bias) and router KL over the kept experts (base renormalised)."""
+    m = torch.arange(cur.shape[1]) if mapping is None else mapping.long()
+    ids_b = base.topk(min(top_k, base.shape[1]), dim=-1).indices
+    ids_c = m[cur.topk(min(top_k, cur.shape[1]), dim=-1).indices]
+    return {
+        "jaccard": float(topk_jaccard(ids_b, ids_c).mean()),
+        "kl": float(router_kl(base[:, m], cur).mean()),
+    }

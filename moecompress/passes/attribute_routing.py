@@ -32,6 +32,8 @@ Example steps::
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -44,6 +46,11 @@ KEYS = ("influence", "aps", "ans", "selected", "aarv")
 
 class AttributeRoutingConfig(PassConfig):
     protect: int = Field(0, ge=0, description="protect this many hub experts (highest later-routing pull)")
+    hub_score: Literal["sum", "mean"] = Field(
+        "sum",
+        description="an expert's pull summed over all later routers, or their mean (per-layer "
+        "normalisation: an early layer has more later routers to pull)",
+    )
 
 
 def labels(index: int, moe_layers: list[int], n: int) -> list[str]:
@@ -69,6 +76,8 @@ def _plan(all_stats: dict[int, LayerStats], cfg: AttributeRoutingConfig) -> dict
         for c, row in zip(earlier, rows):
             pull = row / ATTRIB_TOKENS
             score[c] = pull if c not in score else score[c] + pull[: len(score[c])]
+    if cfg.hub_score == "mean":
+        score = {c: v / sum(1 for i in layers if i > c) for c, v in score.items()}
     flat = sorted(
         ((float(v), c, e) for c, s in score.items() for e, v in enumerate(s.tolist())), reverse=True
     )

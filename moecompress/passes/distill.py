@@ -51,6 +51,14 @@ class DistillConfig(PassConfig):
     lora_alpha: float = Field(16.0, gt=0, description="lora: the delta is scaled by alpha / r")
     lora_experts: int = Field(4, ge=1, description="attention_routed: LoRA experts per projection")
     lora_top_k: int = Field(2, ge=1, description="attention_routed: LoRA experts each token uses")
+    train_adapters: bool = Field(
+        True, description="routed attention adapters the input already stores (an earlier lora_heal target: "
+        "attention_routed) train with the selected tensors and are written back; false: kept fixed (in the forward)"
+    )
+    lora_balance: float = Field(
+        0.01, ge=0, description="attention_routed: weight α of LoRA-Mixer's router load-balancing loss "
+        "α·E·Σ_e f_e·p̄_e per routed projection (mean over them); 0: off"
+    )
     lora_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
         description="attention targets: the attention's linear projections that get LoRA",

@@ -3,7 +3,8 @@ calibration tokens, router handling and the layer they write. The passes differ 
 members become one expert.
 
 **Count.** ``ratio`` (fraction of routed experts removed: ``round(ratio · E)``, halves up, as
-``expert_prune``) or ``target_experts`` (groups kept per layer) — exactly one. ``target_experts: auto``
+``expert_prune``) or ``target_experts`` (groups kept per layer, or ``{layer: groups}``: the allocation of a
+total budget ``choose_groups {ratio}`` reports; unlisted layers keep every expert) — exactly one. ``target_experts: auto``
 (``router: remap`` only) chooses the count per layer with a Gaussian mixture over expert features
 (``choose_count``, :mod:`moecompress.methods.mixture`); the dry run shows every expert kept (an upper
 bound on the bytes). Protected (super)
@@ -60,7 +61,7 @@ from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.dense import Dense
 from moecompress.methods.merging import Params, align_to, average_linkage, expert_params, ward_linkage
 from moecompress.methods.metrics import relative_error
-from moecompress.methods.mixture import choose_k, reduce_features
+from moecompress.methods.mixture import AUTO_TOKENS, choose_count
 from moecompress.reference import expert_forward, moe_forward, route, router_logits
 
 NEEDS = {"expert_counts", "io_sample"}
@@ -71,14 +72,19 @@ class MergeOptions(PassConfig):
     """Options shared by the merging passes."""
 
     ratio: float | None = Field(None, ge=0, lt=1, description="fraction of routed experts removed per layer")
-    target_experts: int | Literal["auto"] | None = Field(
-        None, description="groups (physical experts) kept per layer; auto: chosen per layer (choose_groups)"
+    target_experts: int | Literal["auto"] | dict[int, int] | None = Field(
+        None,
+        description="groups (physical experts) kept per layer; {layer: groups} per layer (the budgeted "
+        "allocation choose_groups reports); auto: BIC's count per layer (no budget)",
     )
     similarity: Literal["output", "output_tokens", "router", "weight"] = Field(
-        "output_tokens", description="grouping feature: per-token outputs, mean expert output, router-logit "
-        "column, or weights"
+        "output_tokens",
+        description="grouping feature: per-token outputs, mean expert output, router-logit "
+        "column, or weights",
     )
-    metric: Literal["cosine", "euclidean"] = Field("cosine", description="distance between features (average)")
+    metric: Literal["cosine", "euclidean"] = Field(
+        "cosine", description="distance between features (average)"
+    )
     linkage: Literal["average", "ward"] = Field(
         "ward", description="usage-weighted Ward (the merge loss) or average linkage (HC-SMoE)"
     )
@@ -97,8 +103,12 @@ class MergeOptions(PassConfig):
                 "set exactly one of ratio (fraction of routed experts removed) or target_experts "
                 "(experts kept per layer)"
             )
-        if isinstance(self.target_experts, int) and self.target_experts < 1:
-            raise ValueError("target_experts must be >= 1 (or auto)")
+        t = self.target_experts
+        if any(v < 1 for v in (t.values() if isinstance(t, dict) else [t] if isinstance(t, int) else [])):
+            raise ValueError("target_experts must be >= 1 (or auto, or {layer: groups >= 1})")
+        if self.router == "collapse" and isinstance(t, dict) and len(set(t.values())) > 1:
+            raise ValueError("router: collapse needs the same count in every layer; use router: remap with "
+                             "per-layer target_experts")  # fmt: skip
         if self.target_experts == "auto" and self.router == "collapse":
             raise ValueError(
                 "target_experts: auto chooses a different count per layer, but router: collapse needs the same "
@@ -111,10 +121,13 @@ def _what(cfg: MergeOptions) -> str:
     return f"ratio={cfg.ratio}" if cfg.ratio is not None else f"target_experts={cfg.target_experts}"
 
 
-def target_groups(num_experts: int, cfg: MergeOptions) -> int:
-    """Groups kept; for ``target_experts: auto`` the upper bound ``num_experts`` (chosen in :func:`plan_merge`)."""
+def target_groups(num_experts: int, cfg: MergeOptions, index: int | None = None) -> int:
+    """Groups kept in MoE layer ``index``; for ``target_experts: auto`` the upper bound ``num_experts``
+    (chosen in :func:`plan_merge`); a layer a ``{layer: groups}`` mapping does not list keeps every expert."""
     if cfg.target_experts == "auto":
         return num_experts
+    if isinstance(cfg.target_experts, dict):
+        return cfg.target_experts.get(index, num_experts) if index is not None else num_experts
     if cfg.target_experts is not None:
         return cfg.target_experts
     return num_experts - math.floor(cfg.ratio * num_experts + 0.5 + 1e-9)  # type: ignore[operator]
@@ -146,7 +159,7 @@ def check_mergeable(layer: MoELayer, cfg: MergeOptions) -> int:
                 f"merging needs dense, unpruned experts, got layout {lay.kind!r} ({name}); merge before "
                 "pruning, decomposition or quantisation"
             )
-    e, t = spec.num_experts, target_groups(spec.num_experts, cfg)
+    e, t = spec.num_experts, target_groups(spec.num_experts, cfg, layer.index)
     if t > e or t < 1:
         raise PassError(f"{_what(cfg)} keeps {t} of the layer's {e} experts; keep between 1 and {e}")
     if cfg.router == "collapse":
@@ -186,7 +199,7 @@ def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
     map (``remap``) or as many router rows (``collapse``; which experts stay protected, and under which
     new ids, is decided by the grouping: the ids here are placeholders, the count is right)."""
     bank, e = layer.experts, layer.router.num_experts
-    t = target_groups(e, cfg)
+    t = target_groups(e, cfg, layer.index)
     if t == e and cfg.target_experts != "auto":
         return layer
     lays = {p: Dense.meta_like(t, *getattr(bank, p).shape[1:], getattr(bank, p).dtype) for p in PROJ}
@@ -369,41 +382,17 @@ def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePl
     for b in bl:
         single = [p - b.start for p in layer.protected if p in b]
         if cfg.linkage == "ward":
-            local = ward_linkage(feats[b.start : b.stop], t // len(bl), counts[b.start : b.stop], singletons=single)
+            local = ward_linkage(
+                feats[b.start : b.stop], t // len(bl), counts[b.start : b.stop], singletons=single
+            )
         else:
-            local = average_linkage(feats[b.start : b.stop], t // len(bl), metric=cfg.metric, singletons=single)
+            local = average_linkage(
+                feats[b.start : b.stop], t // len(bl), metric=cfg.metric, singletons=single
+            )
         groups += [[b.start + i for i in grp] for grp in local]
     groups.sort(key=lambda g: g[0])
     bases = [max(g, key=lambda m: (float(counts[m]), -m)) for g in groups]
     return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held, auto=auto)
-
-
-AUTO_TOKENS, AUTO_DIMS = 64, 16
-"""``target_experts: auto``: fit tokens whose expert outputs form the features; principal dimensions kept."""
-
-
-def choose_count(layer: MoELayer, x: torch.Tensor) -> tuple[int, dict]:
-    """``target_experts: auto`` (``choose_groups``): the number of groups of the unprotected experts by
-    :func:`~moecompress.methods.mixture.choose_k` (tied isotropic Gaussian mixture, EM, BIC) over their
-    features — each expert's outputs on the first ``AUTO_TOKENS`` fit tokens and its centred router-logit
-    column, each block scaled to unit variance, reduced to ``AUTO_DIMS`` principal dimensions —
-    plus one singleton per protected expert. ``K = 1`` is the mixture's null (no cluster structure):
-    the layer is kept whole rather than merged into one expert (on ref-mixtral, merging every
-    ``K = 1`` layer into one expert gave perplexity 411 against 38.9; benchmarks/RESULTS.md, issue 19)."""
-    bank = layer.experts
-    e = layer.router.num_experts
-    free = [i for i in range(e) if i not in layer.protected]
-    if len(free) < 3:
-        return e, {"groups": e, "bic": {}, "why": "fewer than 3 unprotected experts: nothing merged"}
-    xs = x[:AUTO_TOKENS]
-    outs = torch.stack([expert_forward(bank, i, xs).float() for i in free])
-    logits = router_logits(layer, x)
-    rows = (logits - logits.mean(1, keepdim=True)).T[free]
-    k, bic = choose_k(reduce_features([outs, rows], AUTO_DIMS))
-    info = {"free_groups": k, "bic": {str(a): round(b, 3) for a, b in bic.items()}}
-    if k == 1:  # the null: no cluster structure among the experts, so no group of them is interchangeable
-        return e, {"groups": e, **info, "why": "BIC finds one component (no clusters): the layer is kept"}
-    return k + e - len(free), {"groups": k + e - len(free), **info}
 
 
 def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:

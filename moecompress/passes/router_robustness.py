@@ -10,6 +10,10 @@ Two measurements on the ``io_sample`` tokens (the base model's MoE inputs), form
   (nearest, reported as ``match_error``; exact for rows that were kept) and KL is taken over the kept
   experts (base distribution renormalised on them). Place the step after each step of a recipe to get
   the metrics after every step.
+  These are the base model's MoE inputs, so steps that change only experts (heapr, namex with remap,
+  decompositions) show Jaccard 1 / KL 0 here; the routing drift on the compressed model's own inputs is
+  measured by ``benchmarks/quality.py --drift`` (:func:`~moecompress.methods.robustness.logit_stability`;
+  the statistic this step would need for it, ``router_sample_base``, is described in docs/analysis.md).
 - **Robustness** (TLGA-style router attack): for each ``epsilons`` value, bounded perturbations
   ``‖δ_t‖ ≤ ε‖x_t‖`` of the MoE inputs maximising the routing change by gradient ascent on the router
   margin (``steps``), and the top-k Jaccard / router KL / flipped-token share between clean and

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from moecompress.errors import CheckpointError
+from moecompress.methods.lora import load_balance_loss
 
 CONFIG_KEY = "moecompress_adapters"
 FILE = "adapters/lora_mixer.safetensors"
@@ -44,6 +45,9 @@ class RoutedLoRALinear(nn.Module):
         self.router = nn.Parameter(torch.zeros(experts, in_f, device=dev), requires_grad=False)
         self.lora_a = nn.Parameter(torch.zeros(experts, rank, in_f, device=dev), requires_grad=False)
         self.lora_b = nn.Parameter(torch.zeros(experts, out_f, rank, device=dev), requires_grad=False)
+        self.track_balance = False
+        """Training: each forward leaves the router's load-balancing term in :attr:`balance`."""
+        self.balance: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:  # transformers code may read ``proj.weight`` (dtype, device)
@@ -53,6 +57,8 @@ class RoutedLoRALinear(nn.Module):
         """``[..., E]``: the softmax of the top-K router logits, zero on the other experts."""
         logits = x @ self.router.to(x.dtype).T
         top = logits.topk(self.top_k, dim=-1)
+        if self.track_balance:
+            self.balance = load_balance_loss(logits, top.indices)
         return torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompress.errors import PassError
-from moecompress.runtime.lora_mixer import CONFIG_KEY, FILE, KIND, PARTS, RoutedLoRALinear, wrap
+from moecompress.runtime.lora_mixer import (
+    CONFIG_KEY,
+    FILE,
+    KIND,
+    PARTS,
+    RoutedLoRALinear,
+    attach_adapters,
+    wrap,
+)
 
 
 def equal_rank(experts: int, rank: int, in_f: int, out_f: int) -> int:
@@ -105,10 +113,41 @@ def merged_weights(mods: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     return {f"{n}.weight": m.merged().detach() for n, m in mods.items() if isinstance(m, PlainLoRALinear)}
 
 
-def adapter_payload(mods: dict[str, nn.Module], cfg) -> tuple[dict[str, torch.Tensor], dict]:
-    """``target: attention_routed``: the adapter tensors (float32) and the config block to store."""
+def stored_adapters(model: nn.Module, ckpt) -> tuple[dict[str, RoutedLoRALinear], dict | None]:
+    """The routed adapters ``ckpt`` already stores (an earlier ``lora_heal`` with ``target:
+    attention_routed``), wrapped into ``model`` as :func:`moecompress.load` does, so the training
+    forward is the loaded model's; ``(wrappers by name, the config block)``, ``({}, None)`` without."""
+    if not isinstance(ckpt.raw_config.get(CONFIG_KEY), dict):
+        return {}, None
+    attach_adapters(model, ckpt.path)
+    block = ckpt.raw_config[CONFIG_KEY]
+    return {n: model.get_submodule(n) for n in block["modules"]}, dict(block)
+
+
+def adapter_parameters(mods: dict[str, nn.Module]) -> list[nn.Parameter]:
+    """The trainable tensors of attention wrappers (never the wrapped base projection)."""
+    return [p for m in mods.values() for n, p in m.named_parameters() if not n.startswith("base.")]
+
+
+def checkpoint_names(trained: dict[str, torch.Tensor], mods: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Model parameter names -> checkpoint keys: a wrapper's ``<name>.base.weight`` is the checkpoint's
+    ``<name>.weight``; the wrappers' own tensors are not checkpoint keys (written as adapters)."""
+    out = {}
+    for k, v in trained.items():
+        owner = next((n for n in mods if k.startswith(n + ".")), None)
+        if owner is None:
+            out[k] = v
+        elif k.startswith(owner + ".base."):
+            out[owner + k[len(owner) + 5 :]] = v
+    return out
+
+
+def adapter_payload(mods: dict[str, nn.Module], cfg, block: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The routed adapters' tensors (float32) and the config block to store (``block``: the stored one
+    of adapters the checkpoint already had; else built from ``cfg``)."""
     tensors = {f"{n}.{p}": getattr(m, p).detach().float().cpu().contiguous() for n, m in mods.items()
                if isinstance(m, RoutedLoRALinear) for p in PARTS}  # fmt: skip
-    block = {"kind": KIND, "file": FILE, "experts": cfg.lora_experts, "top_k": cfg.lora_top_k,
-             "rank": cfg.lora_rank, "scale": cfg.lora_alpha / cfg.lora_rank, "modules": list(mods)}  # fmt: skip
+    if block is None:
+        block = {"kind": KIND, "file": FILE, "experts": cfg.lora_experts, "top_k": cfg.lora_top_k,
+                 "rank": cfg.lora_rank, "scale": cfg.lora_alpha / cfg.lora_rank, "modules": list(mods)}  # fmt: skip
     return tensors, {CONFIG_KEY: block}

@@ -34,6 +34,7 @@ class TrainResult:
     heldout_before: float = math.nan
     heldout_after: float = math.nan
     heldout_curve: list[tuple[int, float]] = field(default_factory=list)
+    balance_curve: list[float] = field(default_factory=list)
     projector_curve: list[float] = field(default_factory=list)
     steps: int = 0
     stopped_early: bool = False
@@ -68,6 +69,11 @@ def heldout_loss(model: nn.Module, ids: torch.Tensor, batch: int) -> float:
 def _rounding(moes: dict[int, LayoutMoE], cfg) -> None:
     for moe in moes.values():
         moe.rounding = None if cfg is None else (cfg.tile, cfg.mode)
+
+
+def _track(routed: list[nn.Module], on: bool) -> None:
+    for m in routed:
+        m.track_balance, m.balance = on, None if on else m.balance
 
 
 def _batches(n: int, batch: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -106,13 +112,16 @@ def train(
     progress: bool = True,
     state_dir: Path | None = None,
     on_step: Callable[[int], None] | None = None,
+    routed: list[nn.Module] = (),
 ) -> TrainResult:
     """Train ``params`` of ``student`` for ``cfg.steps`` steps (fewer when early stopping triggers:
     ``eval_every`` > 0 and the held-out loss did not improve for ``patience`` evaluations; the best
     parameters are then restored). With ``state_dir`` and ``cfg.save_every``, the whole training state
     is saved every ``save_every`` steps and a saved state is resumed (the result is bit-identical to an
-    uninterrupted run)."""
+    uninterrupted run). ``routed``: routed LoRA wrappers whose router load-balancing term, times
+    ``cfg.lora_balance``, is added to the loss (mean over them; LoRA-Mixer)."""
     res = TrainResult()
+    routed = list(routed) if getattr(cfg, "lora_balance", 0) > 0 else []
     saved = _load_state(state_dir)
     if saved is None:
         res.heldout_before = heldout_loss(student, hold_ids, cfg.batch)
@@ -139,11 +148,17 @@ def train(
         targets = shift(part)
         t = teacher(part)
         _rounding(moes, cfg.token_rounding)
+        _track(routed, True)
         try:
             h_s, logits = forward_hidden(student, part)
         finally:
             _rounding(moes, None)
+            _track(routed, False)
         loss = objective(h_s, logits, t, targets)
+        if routed:
+            balance = torch.stack([m.balance for m in routed]).mean()
+            res.balance_curve.append(float(balance.detach()))
+            loss = loss + cfg.lora_balance * balance
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip > 0:

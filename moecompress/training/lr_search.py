@@ -43,6 +43,7 @@ def choose_lr(
     cfg,
     *,
     device: str = "cpu",
+    routed: list[nn.Module] = (),
 ) -> tuple[float, list[dict]]:
     """``(chosen lr, one row per candidate)``; ``params`` are left exactly as they were."""
     n = probe_steps(cfg)
@@ -52,7 +53,7 @@ def choose_lr(
         probe = cfg.model_copy(update={"lr": lr, "steps": n, "eval_every": 0, "save_every": 0,
                                        "projector_steps": min(cfg.projector_steps, n)})  # fmt: skip
         res = train(student, moes, params, make_objective(), teacher, train_ids, hold_ids, probe, device=device,
-                    progress=False)  # fmt: skip
+                    progress=False, routed=routed)  # fmt: skip
         with torch.no_grad():
             for p, v in zip(params, init):
                 p.copy_(v)

@@ -21,6 +21,8 @@ import torch
 from moecompress.calibration.sources import load_token_ids
 from moecompress.errors import CheckpointError, PassError
 from moecompress.io.checkpoint import open_checkpoint
+from moecompress.runtime.lora_mixer import CONFIG_KEY, RoutedLoRALinear
+from moecompress.training.attention_lora import stored_adapters
 from moecompress.training.loop import train
 from moecompress.training.losses import Objective, Teacher
 from moecompress.training.student import build_model, group_of, non_moe_parameters
@@ -67,15 +69,24 @@ def _digest(p: Path) -> str:
 
 
 def _parameters(model, moes, cfg, ckpt) -> tuple[list[torch.nn.Parameter], dict]:
-    """The trainable parameters; and the attention LoRA wrappers by name (``target`` attention*)."""
-    if cfg.trainable == "lora" and cfg.target != "experts":
-        from moecompress.training.attention_lora import attach
+    """The trainable parameters; and the attention LoRA wrappers by name (``target`` attention*, and
+    the routed adapters ``ckpt`` already stores: wrapped in, trained unless ``train_adapters: false``)."""
+    from moecompress.training.attention_lora import adapter_parameters, attach, stored_adapters
 
+    held, _ = stored_adapters(model, ckpt)
+    if cfg.trainable == "lora" and cfg.target != "experts":
+        if held and cfg.target == "attention":
+            raise PassError("field 'target': the input already has routed attention adapters (an "
+                            "earlier target: attention_routed); use target: attention_routed to train them on")  # fmt: skip
+        if held:  # target: attention_routed again: the stored adapters train on (no second set)
+            return adapter_parameters(held), held
         keys = set(ckpt.reader.keys)
         stored = {k: ckpt.reader.torch_dtype(k) for k in keys if k.endswith(".weight") and "attn" in k}
         mods, params = attach(model, cfg, stored)
         return params, mods
     trainable, out = cfg.trainable, []
+    if held and cfg.train_adapters:
+        out += adapter_parameters(held)
     for i, moe in moes.items():
         if trainable == "lora":
             out += moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
@@ -85,8 +96,9 @@ def _parameters(model, moes, cfg, ckpt) -> tuple[list[torch.nn.Parameter], dict]
             if trainable == "all" or group_of(name) == trainable:
                 out.append(p)
     if trainable == "all":
-        out += list(non_moe_parameters(model).values())
-    return out, {}
+        skip = {id(p) for p in [*out, *adapter_parameters(held)]}  # adapters: only with train_adapters
+        out += [p for p in non_moe_parameters(model).values() if id(p) not in skip]
+    return out, held
 
 
 def run_distill(job) -> dict:
@@ -105,6 +117,7 @@ def run_distill(job) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     student, moes = build_model(student_ck, device)
     teacher_model, teacher_moes = build_model(teacher_ck, device)
+    stored_adapters(teacher_model, teacher_ck)  # a teacher with routed adapters is the model they make
     teacher = Teacher(teacher_model, teacher_moes, cfg.fusion if cfg.method == "residual" else None)
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
@@ -116,23 +129,27 @@ def run_distill(job) -> dict:
         return obj
 
     params, mods = _parameters(student, moes, cfg, student_ck)
+    own = {id(p) for p in params}
+    routed = [m for m in mods.values() if isinstance(m, RoutedLoRALinear) and id(m.router) in own]
     searched = []
     if cfg.lr == "auto":
         from moecompress.training.lr_search import choose_lr
 
         lr, searched = choose_lr(student, moes, params, make_objective, teacher, train_ids, hold_ids, cfg,
-                                 device=device)  # fmt: skip
+                                 device=device, routed=routed)  # fmt: skip
         cfg = cfg.model_copy(update={"lr": lr})
     state = None if job.state_dir is None else Path(job.state_dir)
     res = train(student, moes, params, make_objective(cfg), teacher, train_ids, hold_ids, cfg, device=job.device,
-                progress=job.progress, state_dir=state)  # fmt: skip
+                progress=job.progress, state_dir=state, routed=routed)  # fmt: skip
     trained = non_moe_parameters(student) if cfg.trainable == "all" else {}
     adapters = None
     if mods:
-        from moecompress.training.attention_lora import adapter_payload, merged_weights
+        from moecompress.training.attention_lora import adapter_payload, checkpoint_names, merged_weights
 
-        trained = merged_weights(mods)
-        adapters = adapter_payload(mods, cfg) if cfg.target == "attention_routed" else None
+        trained = {**checkpoint_names(trained, mods), **merged_weights(mods)}
+        routed = {n: m for n, m in mods.items() if isinstance(m, RoutedLoRALinear)}
+        if routed:
+            adapters = adapter_payload(routed, cfg, student_ck.raw_config.get(CONFIG_KEY))
     write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size,
                   adapters=adapters)  # fmt: skip
     summary = {
@@ -154,6 +171,9 @@ def run_distill(job) -> dict:
         "loss_curve": res.curve,
         "heldout_curve": res.heldout_curve,
         "projector_curve": res.projector_curve,
+        "lora_balance": cfg.lora_balance if routed else None,
+        "balance_first": res.balance_curve[0] if res.balance_curve else None,
+        "balance_last": res.balance_curve[-1] if res.balance_curve else None,
         "tokens_per_second": res.tokens / res.seconds if res.seconds > 0 else None,
         "train_seconds": round(res.seconds, 3),
         "train_cpu_seconds": round(res.cpu_seconds, 3),

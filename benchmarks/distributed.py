@@ -1,0 +1,155 @@
+"""One process against two ``torch.distributed`` ranks (gloo, one thread each) on a Qwen3-30B-shaped
+synthetic checkpoint: wall time, calibration time, CPU seconds and peak RSS per rank, and whether the
+outputs are byte-identical.
+
+    python benchmarks/distributed.py                              # heapr and rtn, 2 layers, 128 experts
+    python benchmarks/distributed.py --passes heapr --experts 32 --layers 2 --samples 16
+
+The checkpoint: ``qwen3_moe`` with Qwen3-30B-A3B's MoE shapes (hidden 2048, experts of width 768, top-8;
+``--experts`` of them, 128 by default, 1.2 GB of bf16 expert weights per layer), random weights, a small
+vocabulary and attention. Each configuration runs as fresh processes (``moecompress apply`` with the
+variables ``torchrun`` sets, ``OMP_NUM_THREADS=1``), each with its own statistics cache. Peak RSS and
+CPU seconds are each process's ``getrusage``; calibration seconds come from rank 0's ``report.json``.
+What runs on several ranks (``docs/distributed.md``): calibration, data-parallel; the layer loop runs on
+rank 0 alone, so the wall-time ratio of a whole run is bounded by the calibration's share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+GiB = 1024**3
+PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {}}
+
+WORKER = r"""
+import json, resource, sys
+from moecompress.cli import main
+code = main(sys.argv[1:])
+u = resource.getrusage(resource.RUSAGE_SELF)
+print("BENCH " + json.dumps({"peak": u.ru_maxrss * 1024, "cpu": u.ru_utime + u.ru_stime}), flush=True)
+sys.exit(code)
+"""
+
+
+def build(path: Path, experts: int, layers: int) -> None:
+    import torch
+
+    from moecompress.testing import save_tiny
+
+    save_tiny("qwen3_moe", path, dtype=torch.bfloat16, hidden_size=2048, moe_intermediate_size=768,
+              num_experts=experts, num_experts_per_tok=8, num_hidden_layers=layers, vocab_size=512,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)  # fmt: skip
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(recipe: Path, world: int) -> dict:
+    """``world`` ranks of ``moecompress apply recipe``; wall seconds and each rank's peak and CPU."""
+    port, procs = _port(), []
+    t0 = time.perf_counter()
+    for rank in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        if world > 1:
+            env |= {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        cmd = [sys.executable, "-c", WORKER, "apply", str(recipe), "--quiet"]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    ranks = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"rank failed ({p.returncode}): {err.strip().splitlines()[-1:] or ''}")
+        line = [x for x in out.splitlines() if x.startswith("BENCH ")][-1]
+        ranks.append(json.loads(line[6:]))
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 2), "peak_gib": [round(r["peak"] / GiB, 2) for r in ranks],
+            "cpu_s": [round(r["cpu"], 1) for r in ranks]}  # fmt: skip
+
+
+def _digest(out: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(out.rglob("*.safetensors")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict) -> dict:
+    row: dict = {"pass": name, "config": cfg}
+    digests = {}
+    for world in (1, 2):
+        rec = {"model": str(model), "output": str(root / f"out-{name}-{world}"), "steps": [{name: cfg}],
+               "calibration": {**cal, "cache_dir": str(root / f"cache-{name}-{world}")}}  # fmt: skip
+        path = root / f"{name}-{world}.yaml"
+        path.write_text(yaml.safe_dump(rec))
+        res = launch(path, world)
+        report = json.loads((root / f"out-{name}-{world}" / "report.json").read_text())
+        res["calibration_s"] = report["calibration"].get("seconds")
+        row[f"ranks{world}"] = res
+        digests[world] = _digest(root / f"out-{name}-{world}")
+        subprocess.run(["rm", "-rf", str(root / f"cache-{name}-{world}")], check=False)
+    row["wall_ratio"] = round(row["ranks1"]["wall_s"] / row["ranks2"]["wall_s"], 2)
+    c1, c2 = row["ranks1"]["calibration_s"], row["ranks2"]["calibration_s"]
+    row["calibration_ratio"] = round(c1 / c2, 2) if c1 and c2 else None
+    row["identical"] = digests[1] == digests[2]
+    for world in (1, 2):
+        subprocess.run(["rm", "-rf", str(root / f"out-{name}-{world}")], check=False)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", nargs="*", default=["heapr", "rtn"])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="distributed-"))
+    model = root / "model"
+    if not model.exists():
+        build(model, args.experts, args.layers)
+    cal = {"source": "random", "samples": args.samples, "seq_len": args.seq_len, "batch_size": 2,
+           "dtype": "bfloat16", "holdout": 2}  # fmt: skip
+    print(json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "experts": args.experts,
+                      "layers": args.layers, "calibration": cal}), flush=True)  # fmt: skip
+    rows = []
+    for name in args.passes:
+        try:
+            rows.append(measure(name, PASSES[name], model, root, cal))
+        except RuntimeError as err:
+            rows.append({"pass": name, "error": str(err)})
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| pass | wall 1 / 2 ranks (s) | ratio | calibration 1 / 2 (s) | ratio | CPU s (1; 2 ranks) "
+          "| peak RSS GiB (1; per rank) | identical |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['pass']} | failed: {r['error']} | | | | | | |")
+            continue
+        a, b = r["ranks1"], r["ranks2"]
+        print(f"| {r['pass']} | {a['wall_s']} / {b['wall_s']} | {r['wall_ratio']} | {a['calibration_s']} / "
+              f"{b['calibration_s']} | {r['calibration_ratio']} | {a['cpu_s'][0]}; {' + '.join(map(str, b['cpu_s']))} "
+              f"| {a['peak_gib'][0]}; {', '.join(map(str, b['peak_gib']))} | {r['identical']} |")  # fmt: skip
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

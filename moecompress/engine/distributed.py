@@ -1,0 +1,176 @@
+"""Runs over several processes with ``torch.distributed`` (launched by ``torchrun``): who this rank is,
+the process group, and the few collectives the engine uses, all on tensors (no pickle).
+
+``torchrun`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``, which
+``init_process_group`` reads itself); ``cli.py`` reads them into a :class:`Launch`, the executor turns it
+into a :class:`Ranks` once it knows the compute device (gloo on CPU, NCCL on CUDA) and
+:class:`~moecompress.engine.context.RunContext` holds it. World size 1 is :data:`SINGLE`: no process
+group, every helper the identity, the code path of one process.
+
+The rule (``docs/distributed.md``): calibration is data-parallel (rank ``r`` runs the batches
+``b % N == r``; every statistic is merged round by round, batch after batch, in the single process's
+order, so the bits are the same); rank 0 alone takes the locks, writes the statistics cache, runs the
+layer loop, the journal and the atomic rename; the other ranks return once calibration is done. A
+collective that fails because another rank died raises :class:`~moecompress.errors.Interrupted`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from moecompress.errors import Interrupted, RecipeError
+
+TIMEOUT = timedelta(hours=6)
+"""How long a collective waits for the other ranks (rank 0 may calibrate a large layer meanwhile)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What ``torchrun`` says about this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Launch:
+        """The launch of ``env`` (``os.environ``); without ``WORLD_SIZE`` (or at 1) one process."""
+        try:
+            world = int(env.get("WORLD_SIZE", "1"))
+            rank = int(env.get("RANK", "0"))
+            local = int(env.get("LOCAL_RANK", str(rank)))
+        except ValueError:
+            raise RecipeError(
+                f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (got {env.get('RANK')!r}/{env.get('WORLD_SIZE')!r}/"
+                f"{env.get('LOCAL_RANK')!r}); launch with torchrun"
+            ) from None
+        if world < 1 or not 0 <= rank < world or local < 0:
+            raise RecipeError(
+                f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} is not a valid launch; use torchrun"
+            )
+        return cls(rank, world, local)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process among ``world_size`` ranks; ``device``: the device its collectives' tensors live on."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 writes: the statistics cache, the output, the journal, the rename."""
+        return self.rank == 0
+
+    def share(self, n: int) -> list[int]:
+        """The items of ``range(n)`` this rank runs: ``i % world_size == rank``."""
+        return list(range(self.rank, n, self.world_size))
+
+    def rounds(self, n: int) -> int:
+        """How many rounds ``n`` items take (one item per rank per round)."""
+        return -(-n // self.world_size)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            _guard(self, "barrier", lambda: torch.distributed.barrier())
+
+    def all_gather_bytes(self, blob: bytes) -> list[bytes]:
+        """Every rank's ``blob``, in rank order (variable sizes: lengths first, then padded bytes)."""
+        if self.world_size == 1:
+            return [blob]
+        dev = torch.device(self.device)
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        _guard(self, "all_gather", lambda: torch.distributed.all_gather(sizes, size))
+        top = max(int(s) for s in sizes)
+        mine = torch.zeros(top, dtype=torch.uint8, device=dev)
+        if blob:
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
+        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        _guard(self, "all_gather", lambda: torch.distributed.all_gather(parts, mine))
+        return [bytes(p[: int(s)].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+    def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]:
+        """Every rank's ``values`` (at most ``length`` of them; float64, exact), in rank order."""
+        if self.world_size == 1:
+            return [list(values)]
+        dev = torch.device(self.device)
+        mine = torch.full((length + 1,), float("nan"), dtype=torch.float64, device=dev)
+        mine[0] = len(values)
+        if values:
+            mine[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.float64)
+        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        _guard(self, "all_gather", lambda: torch.distributed.all_gather(parts, mine))
+        return [p[1 : 1 + int(p[0])].cpu().tolist() for p in parts]
+
+    def all_sum_int(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=torch.device(self.device))
+        _guard(self, "all_reduce", lambda: torch.distributed.all_reduce(t))
+        return int(t)
+
+    def from_writer(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=torch.device(self.device))
+        _guard(self, "broadcast", lambda: torch.distributed.broadcast(t, src=0))
+        return bool(int(t))
+
+
+SINGLE = Ranks()
+"""One process: no process group."""
+
+
+def _guard(ranks: Ranks, what: str, call) -> None:
+    try:
+        call()
+    except (RuntimeError, ValueError) as err:  # DistBackendError / DistNetworkError are RuntimeErrors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise Interrupted(
+            f"rank {ranks.rank} of {ranks.world_size}: {what} failed, another rank stopped or is unreachable ({first})"
+        ) from None
+
+
+def start(launch: Launch, device: str) -> Ranks:
+    """The process group of ``launch`` (NCCL when ``device`` is CUDA, else gloo), started once; returns
+    :data:`SINGLE` at world size 1. On CUDA each rank computes on ``cuda:LOCAL_RANK``."""
+    if launch.world_size == 1:
+        return SINGLE
+    dist = torch.distributed
+    if not dist.is_available():
+        raise RecipeError(f"this PyTorch {torch.__version__} has no torch.distributed; run one process")
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        if launch.local_rank >= torch.cuda.device_count():
+            raise RecipeError(
+                f"LOCAL_RANK={launch.local_rank} but this host has {torch.cuda.device_count()} CUDA device(s); "
+                "use --nproc_per_node at most the device count"
+            )
+        torch.cuda.set_device(launch.local_rank)
+        device = f"cuda:{launch.local_rank}"
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", rank=launch.rank, world_size=launch.world_size, timeout=TIMEOUT
+            )
+        except (RuntimeError, ValueError) as err:
+            first = (str(err).strip().splitlines() or ["?"])[0][:200]
+            raise RecipeError(
+                f"rank {launch.rank} of {launch.world_size}: cannot join the process group ({first}); launch with "
+                "torchrun (it sets MASTER_ADDR and MASTER_PORT)"
+            ) from None
+    return Ranks(launch.rank, launch.world_size, device if cuda else "cpu")
+
+
+def stop(ranks: Ranks) -> None:
+    """Leave the process group of :func:`start` (nothing at world size 1)."""
+    if ranks.world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
