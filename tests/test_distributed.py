@@ -174,6 +174,7 @@ def test_rounds_merged_in_batch_order_give_the_bits_of_one_collector(model):
     assert not torch.equal(backwards.result()["io_sample_x"], ref["io_sample_x"])
 
 
+@pytest.mark.slow  # 2 ranks end to end (~20 s): the slow lane, which CI also runs
 def test_heapr_global_backward_and_tdmoe_pooled_are_byte_identical(model):
     """Streamed backward (heapr's gradients, global ranking), pooled forward and backward covariances
     (tdmoe), the reference errors on held-back batches, every step's checkpoint."""
