@@ -262,8 +262,9 @@ def _malloc_trim():
 
 def copy_peak(ckpt: Checkpoint, raw: bool = True) -> tuple[int, str | None]:
     """Estimated peak bytes of copying the tensors outside the MoE layers (embeddings, head, dense
-    layers, attention; ``raw``: in the input's encoding): what every run holds and the largest group :func:`moecompress.io.reader.read_groups` reads at
-    once, twice (mapped pages and copies); with the name of the largest such tensor."""
+    layers, attention; ``raw``: in the input's encoding): what every run holds and the largest group
+    :func:`moecompress.io.reader.read_groups` reads at once, twice (mapped pages and copies); with the
+    name of the largest such tensor."""
     src, moe, worst, name = (ckpt.raw if raw else ckpt.reader), set(ckpt.moe_layer_indices), 0, None
     for idx, keys in ckpt.key_groups(raw=raw):
         owned = set((ckpt.raw_moe_keys if raw else ckpt.moe_keys)(idx)) if idx in moe else set()
