@@ -101,6 +101,7 @@ METHODS = {
 }
 CHOSEN = "@choose_groups"  # replaced by the summary's target_experts of a choose_groups run (resolve_chosen)
 RR = {"router_robustness": {"epsilons": [0.0, 0.05, 0.1]}}
+RR0 = {"router_robustness": {"epsilons": [0.0]}}
 METHODS.update(
     {  # issue 19: analysis stages that change a later step (a list = a multi-step recipe)
         "heapr-hubs2": lambda r: [
@@ -153,6 +154,12 @@ METHODS.update(
             {"choose_groups": {"ratio": r}},
             {"merge_experts": {"target_experts": CHOSEN}},
         ],
+        # the same budget in one step: the merge's own plan spends it (expert_out_gram statistics)
+        "namex-budget1": lambda r: {"namex": {"target_experts": {"ratio": r}}},
+        "merge-budget1": lambda r: {"merge_experts": {"target_experts": {"ratio": r}}},
+        # routing drift inside the recipe (run with --propagate compressed): router_robustness's drift columns
+        "rrd-namex": lambda r: [RR0, {"namex": {"ratio": r, "router": "remap"}}, RR0],
+        "rrd-reap": lambda r: [RR0, {"expert_prune": {"ratio": r, "method": "reap"}}, RR0],
     }
 )
 QUANT = {  # one parameter: bits
@@ -215,6 +222,7 @@ def routing_drift(model: Path, out: Path, cal: dict, report: dict) -> dict:
     from moecompress.methods.robustness import logit_stability
 
     rr = [{"router_robustness": {"epsilons": [0.0]}}]
+    cal = {**cal, "propagate": "original"}  # each checkpoint's routing on its own inputs
     entries = [mc.calibrate({"model": str(m), "output": str(out.with_name(out.name + "-drift")), "calibration": cal,
                              "steps": rr}, progress=False) for m in (model, out)]  # fmt: skip
     top_k = json.loads((model / "config.json").read_text())["num_experts_per_tok"]
@@ -283,6 +291,12 @@ def main() -> None:
     ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
     ap.add_argument("--json", help="also write all rows to this JSON file")
     ap.add_argument("--drift", action="store_true", help="also measure the routing drift (routing_drift)")
+    ap.add_argument(
+        "--propagate",
+        default="original",
+        choices=["original", "compressed"],
+        help="calibration.propagate of the compression runs (--drift always calibrates with original)",
+    )
     args = ap.parse_args()
     global DRIFT
     DRIFT = args.drift
@@ -306,7 +320,7 @@ def main() -> None:
         model = data / "models" / name
         cal = {"source": args.cal_source or "file:" + ",".join(corpus), "samples": args.samples, "seq_len": args.seq_len,
                "batch_size": args.batch_size, "cache_dir": str(work / "cache"),
-               "sample_tokens": args.sample_tokens}  # fmt: skip
+               "sample_tokens": args.sample_tokens, "propagate": args.propagate}  # fmt: skip
         t0 = time.perf_counter()
         base_ppl[name] = mc.evaluate(model, **ev)["perplexity"]
         print(f"{name}: base perplexity {base_ppl[name]:.2f} ({time.perf_counter() - t0:.1f} s)", flush=True)

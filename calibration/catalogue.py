@@ -42,6 +42,16 @@ CATALOGUE: dict[str, StatInfo] = {
         "forward", "[N, H] x2", "first N calibration tokens' MoE inputs and outputs", ("io_sample_x", "io_sample_y")
     ),
     "router_sample": StatInfo("forward", "[N, E]", "the io_sample tokens' router logits (routing stability)"),
+    "router_sample_base": StatInfo(
+        "forward", "[N, E]", "the input checkpoint's router logits on its own MoE inputs for the io_sample tokens: "
+        "router_sample, except under calibration.propagate: compressed (routing drift, router_robustness)",
+    ),
+    "expert_out_gram": StatInfo(
+        "forward", "[E, E], [2]",
+        "sum_t <E_i(x_t), E_j(x_t)> (float64) over the merging passes' Ward tokens, the first min(64, ceil(N/2)) "
+        "io_sample tokens, every expert on every token; expert_out_gram_route: (those tokens, mean_t sum_k w_tk^2)",
+        ("expert_out_gram", "expert_out_gram_route"),
+    ),
     "route_attrib": StatInfo(
         "forward", "[C] x5, [P, E] x3, [] x2",
         "router-logit attribution over the residual stream on the first ATTRIB_TOKENS calibration tokens "
@@ -56,6 +66,9 @@ CATALOGUE: dict[str, StatInfo] = {
     "grad_sq_mean": StatInfo("backward", "[E, I]", "mean over routed tokens of (dl/dh)^2, per neuron"),
     "out_grad_cov": StatInfo("backward", "[H, H]", "E[g g^T], g = dl/d(MoE output), over all tokens"),
     "down_in_grad_cov_pooled": StatInfo("backward", "[I, I]", "E[g_h g_h^T] over routed pairs, g_h = dl/dh"),
+    "expert_out_gram_fisher": StatInfo(
+        "backward", "[E, E]", "expert_out_gram with G = out_grad_cov: sum_t <G^1/2 E_i(x_t), G^1/2 E_j(x_t)> (float64)"
+    ),
 }
 """Every statistic a pass may declare in ``needs``. ``io_sample`` is stored as ``io_sample_x`` and
 ``io_sample_y``, ``holdout`` as ``holdout_x``; every other statistic as one tensor of its own name."""

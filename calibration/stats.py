@@ -22,6 +22,14 @@ import torch
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
+from moecompress.methods.mixture import AUTO_TOKENS, expert_output_gram, fit_tokens, route_energy
+
+IMPLIED = (
+    ("expert_out_gram", "io_sample"),
+    ("expert_out_gram_fisher", "out_grad_cov"),
+    ("router_sample_base", "router_sample"),
+)
+"""``(statistic, what the collector keeps to compute it)``."""
 
 
 class StatsCollector:
@@ -38,6 +46,7 @@ class StatsCollector:
         """``rounds``: a data-parallel rank's collector, whose per-batch contributions are taken round by
         round (:meth:`take_round`) and merged in batch order into another collector (:meth:`add_round`)."""
         self.names = set(names) | ALWAYS
+        self.names |= {dep for name, dep in IMPLIED if name in self.names}
         self.layer = layer
         self.sample_tokens = sample_tokens
         self.mode = "stats"
@@ -50,6 +59,7 @@ class StatsCollector:
             "io_sample_y": [],
             "router_sample": [],
             "holdout_x": [],
+            "gram_x": [],  # expert_out_gram_fisher: the backward's MoE inputs of the Ward tokens
         }
         self._absmax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights: torch.Tensor | None = None
@@ -95,14 +105,17 @@ class StatsCollector:
 
     def _keep(self, key: str, t: torch.Tensor) -> None:
         have = sum(x.shape[0] for x in self._io[key])
-        if have < self.sample_tokens:
-            self._io[key].append(t.detach()[: self.sample_tokens - have].float().cpu().clone())
+        cap = AUTO_TOKENS if key == "gram_x" else self.sample_tokens
+        if have < cap:
+            self._io[key].append(t.detach()[: cap - have].float().cpu().clone())
 
     # -- Observer --------------------------------------------------------------------------------
     def on_input(self, x: torch.Tensor) -> None:
         if self.mode == "holdout":
             self._keep("holdout_x", x)
             return
+        if self.mode == "backward" and "expert_out_gram_fisher" in self.names:
+            self._keep("gram_x", x)
         if self.mode != "stats":
             return
         self._off = self._n_tokens
@@ -271,8 +284,9 @@ class StatsCollector:
         for key, (best, chan) in self._absmax.items():
             out[f"{key}_absmax"], out[f"{key}_argmax"] = best.clone(), chan.clone()
         for key, parts in self._io.items():
-            if parts:
+            if parts and key != "gram_x":
                 out[key] = torch.cat(parts)
+        out.update(self._grams(out))
         if "route_attrib" in self.names:
             out.update(self._attribution)
         if math.isnan(float(out.get("router_entropy", torch.tensor(0.0)))):
@@ -281,6 +295,31 @@ class StatsCollector:
                 "finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
             )
         return out
+
+    def _grams(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``expert_out_gram`` (forward: from the kept ``io_sample_x``) and ``expert_out_gram_fisher``
+        (backward: from the same tokens' MoE inputs seen again, and this sweep's ``out_grad_cov``), computed
+        once the layer's sweep is complete, from the sample alone: a data-parallel merge, which rebuilds the
+        sample bit for bit, gives the bits of one process."""
+        grams: dict[str, torch.Tensor] = {}
+        if "expert_out_gram" in self.names and "io_sample_x" in out:
+            xs = out["io_sample_x"][: fit_tokens(len(out["io_sample_x"]))]
+            grams["expert_out_gram"] = expert_output_gram(self._dense_layer(), xs)
+            info = [float(len(xs)), route_energy(self.layer, xs)]
+            grams["expert_out_gram_route"] = torch.tensor(info, dtype=torch.float64)
+        if "expert_out_gram_fisher" in self.names and self._io["gram_x"] and "out_grad_cov" in out:
+            n = fit_tokens(min(self.sample_tokens, self._n_grad_tokens))
+            xs = torch.cat(self._io["gram_x"])[:n]
+            grams["expert_out_gram_fisher"] = expert_output_gram(self._dense_layer(), xs, out["out_grad_cov"])
+        return grams
+
+    def _dense_layer(self) -> MoELayer:
+        if any(t.device.type == "meta" for t in self.layer.experts.gate.tensors().values()):
+            raise CheckpointError(
+                f"layer {self.layer.index}: expert_out_gram needs every expert of the layer at once, but it is "
+                "calibrated by chunks of experts; set expert_chunk: off"
+            )
+        return self.layer
 
     # -- data-parallel calibration (calibration/sweep.py) ---------------------------------------------
     def take_round(self) -> dict[str, torch.Tensor]:

@@ -119,6 +119,29 @@ def _check_parallel(needs, chunks: Mapping[int, int]) -> None:
         )
 
 
+class _BaseStream:
+    """``router_sample_base`` under ``calibration.propagate: compressed``: the input checkpoint's own hidden
+    states for the first batches that hold the ``io_sample`` tokens, carried through the *unmodified* layers.
+    Until a step changes a layer they are the main stream's (``hidden is None``: nothing is run twice);
+    afterwards each layer runs once more on those batches only. Cost: ``⌈sample_tokens / batch tokens⌉``
+    batches' extra forward per layer after the first changed one, and their hidden states held twice."""
+
+    def __init__(self, batches: Batches, sample_tokens: int) -> None:
+        self.n, have = 0, 0
+        while self.n < len(batches.ids) and have < sample_tokens and not batches.holdout[self.n]:
+            have += batches.ids[self.n].numel()
+            self.n += 1
+        self.hidden: list[torch.Tensor] | None = None
+
+    def run(self, skel: Skeleton, i: int, moe: MoELayer | None, kwargs, sample_tokens: int):
+        """``(outputs, router logits of the io_sample tokens or None)`` of unmodified layer ``i``."""
+        col = StatsCollector(moe, {"router_sample"}, sample_tokens) if moe is not None else None
+        mod = skel.layer(i, moe, col)
+        with torch.no_grad():
+            outs = [run_batch(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(self.hidden or [])]
+        return outs, (col.result().get("router_sample") if col is not None else None)
+
+
 def _merge_round(group: Group, col: StatsCollector, total: StatsCollector) -> None:
     """One round: every rank's batch contribution, added into ``total`` in rank order (= batch order)."""
     for blob in group.all_gather_bytes(save(col.take_round())):
@@ -166,6 +189,9 @@ def run_calibration(
     group = ranks if ranks is not None and ranks.world_size > 1 else None
     if group is not None:
         _check_parallel(needs, chunks)
+        if on_layer is not None and "router_sample_base" in needs:
+            raise RecipeError("router_sample_base (router_robustness) under calibration.propagate: compressed is not "
+                              "collected data-parallel yet; run one process")  # fmt: skip
     mine = group.share(len(batches.ids)) if group is not None else list(range(len(batches.ids)))
     rounds = group.rounds(len(batches.ids)) if group is not None else len(mine)
     backward = backward_needed(set(needs))
@@ -188,22 +214,30 @@ def run_calibration(
             act_bytes / 1e6,
             "on disk" if on_disk else "in RAM",
         )
+    base = _BaseStream(batches, sample_tokens) if on_layer is not None and "router_sample_base" in needs else None
     try:
         for i in tqdm(range(n_layers), desc="calibrate (forward)", unit="layer", disable=not progress):
             if store is not None:
                 store.put(i, hidden)
+            apart = base is not None and base.hidden is not None  # the base stream differs from this one
             if i in chunks:
                 outs, col = chunked.forward_layer(skel, i, chunks[i], hidden, kwargs, batches.holdout, needs,
                                                   sample_tokens, keep_inputs=trace is not None)  # fmt: skip
                 _check_outputs(i, outs)
                 if trace is not None:
                     trace.after_layer(i, hidden, outs, batches.holdout, col)
-                save_forward(i, col.result())
-                hidden, col = outs, None
+                st = col.result()
+                if "router_sample_base" in needs and "router_sample" in st:  # no propagation on chunked layers
+                    st["router_sample_base"] = st["router_sample"].clone()
+                save_forward(i, st)
+                hidden, col, st = outs, None, None
                 continue
             moe = ckpt.read_layer(i) if i in moe_layers else None
             if moe is not None:
                 check_finite(moe)
+            base_outs, base_logits = None, None
+            if base is not None and apart:
+                base_outs, base_logits = base.run(skel, i, moe, kwargs, sample_tokens)
             col = StatsCollector(moe, needs, sample_tokens, rounds=group is not None) if moe is not None else None
             total = StatsCollector(moe, needs, sample_tokens) if group is not None and moe is not None else None
             mod = skel.layer(i, moe, col)
@@ -222,30 +256,40 @@ def run_calibration(
             _check_outputs(i, outs)
             if trace is not None:
                 trace.after_layer(i, hidden, outs, batches.holdout, col)
+            replacement = None
             if col is not None:
                 stats = col.result()
+                own = base_logits if apart else stats.get("router_sample")
+                if "router_sample_base" in needs and own is not None:  # the input checkpoint's own routing
+                    stats["router_sample_base"] = own.clone()
                 save_forward(i, stats)
                 replacement = on_layer(i, moe, stats) if on_layer is not None else None
                 if replacement is not None:
+                    if base is not None and not apart and replacement is not moe:
+                        base.hidden = outs[: base.n]  # the unmodified layer's outputs: the streams part here
                     with torch.no_grad():
                         mod = skel.layer(i, replacement, None)
                         outs = [run_batch(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(hidden)]
                         del mod
-                del replacement, stats
+                del stats
+            if base is not None and apart:
+                base.hidden = base_outs
+            del replacement
             # drop every reference to this layer before the next one is read: peak = one layer
             moe = col = None
             hidden = outs
         loss = None
         if store is not None:
             loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks,
-                             (group, mine, rounds))  # fmt: skip
+                             (group, mine, rounds), sample_tokens)  # fmt: skip
     finally:
         if store is not None:
             store.close()
     return {"batches": len(batches.ids), "backward": backward, "loss": loss, "activation_bytes": act_bytes}
 
 
-def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share) -> float:
+def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share,
+              sample_tokens: int = 512) -> float:  # fmt: skip
     from moecompress.calibration import chunked
 
     group, mine, rounds = share
@@ -281,8 +325,8 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
             inputs = None
             continue
         moe = ckpt.read_layer(i) if i in moe_layers else None
-        col = StatsCollector(moe, needs, rounds=group is not None) if moe is not None else None
-        merged = StatsCollector(moe, needs) if group is not None and moe is not None else None
+        col = StatsCollector(moe, needs, sample_tokens, rounds=group is not None) if moe is not None else None
+        merged = StatsCollector(moe, needs, sample_tokens) if group is not None and moe is not None else None
         if col is not None:
             col.mode = "backward"
         mod = skel.layer(i, moe, col)

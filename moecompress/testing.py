@@ -161,11 +161,14 @@ def layer_statistics(layer, needs, *, tokens: int = 192, seed: int = 0, sample_t
         part = x[: 3 * tokens // 4]
         RoutingTrace().after_layer(0, [part], [part + moe_forward(layer, part)], [False], fwd)
     out = fwd.result()
+    if "router_sample_base" in needs:  # one layer, no propagation: the base routing is router_sample
+        out["router_sample_base"] = out["router_sample"].clone()
     if backward_needed(set(needs)):
-        bwd = StatsCollector(layer, set(needs))
+        bwd = StatsCollector(layer, set(needs), sample_tokens)
         bwd.mode = "backward"
         xg = x[: 3 * tokens // 4].clone().requires_grad_(True)
         with torch.enable_grad():
+            bwd.on_input(xg)
             y = moe_forward(layer, xg, bwd)
             bwd.on_output(y)
             (y.float().pow(2).sum() / (2 * len(xg))).backward()

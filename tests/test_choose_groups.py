@@ -194,3 +194,91 @@ def test_choose_groups_spends_the_budget_where_merging_is_cheap_and_namex_follow
     assert target_groups(E, ncfg, 1) == 8 and target_groups(E, ncfg, 5) == E  # unlisted layers keep all
     with pytest.raises(ValidationError, match="same count in every layer"):
         BUILTIN_PASSES["namex"].config(target_experts={0: 2, 1: 8}, router="collapse")
+
+
+def _budget_run(tmp_path, steps):
+    """One recipe on a tiny 2-layer model; its steps' summaries."""
+    import json
+
+    import moecompress as mc
+    from moecompress.testing import save_tiny
+
+    if not (tmp_path / "m").exists():
+        save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    cal = {"source": "random", "samples": 5, "seq_len": 16, "batch_size": 5, "cache_dir": str(tmp_path / "c")}
+    out = tmp_path / f"o{len(list(tmp_path.glob('o*')))}"
+    mc.apply(
+        {"model": str(tmp_path / "m"), "output": str(out), "calibration": cal, "steps": steps}, progress=False
+    )
+    return [json.loads(p.read_text())["summary"] for p in sorted((out / "steps").glob("*/report.json"))]
+
+
+@pytest.mark.parametrize(
+    "merge, budget",
+    [
+        ("namex", {"ratio": 0.5}),
+        pytest.param("merge_experts", {"total_experts": 9, "scale": "relative"}, marks=pytest.mark.slow),
+    ],
+)
+def test_one_step_budget_is_the_two_run_allocation(tmp_path, merge, budget):
+    """The oracle of the one-step budget: ``namex: {target_experts: {ratio: r}}`` allocates exactly the
+    counts ``choose_groups {ratio: r}`` reports (the same Ward curves, from ``expert_out_gram``)."""
+    extra = {"refine_steps": 0} if merge == "namex" else {}
+    reps = _budget_run(tmp_path, [{"choose_groups": {**budget, "clusters": False}},
+                                  {merge: {"target_experts": budget, **extra}}])  # fmt: skip
+    chosen, merged = reps[0]["target_experts"], reps[1]["groups_per_layer"]
+    assert merged == chosen and len(set(chosen.values())) > 1  # a per-layer allocation, not the uniform one
+    assert sum(chosen.values()) == (8 if "ratio" in budget else 9)
+
+
+def test_expert_out_gram_is_the_gram_of_the_ward_features():
+    """The statistics equal what the two-run path computes from the layer (bit for bit), and the plan's
+    curves equal ``choose_groups``' (loss and relative scales)."""
+    from moecompress.methods.mixture import expert_output_gram, fit_tokens, merge_curve
+    from moecompress.passes.merge_budget import plan_budget
+
+    fam = _two_family_layer()
+    needs = {"io_sample", "expert_counts", "expert_out_gram", "expert_out_gram_fisher"}
+    st = layer_statistics(fam, needs, sample_tokens=100)
+    xs = st["io_sample_x"][: fit_tokens(len(st["io_sample_x"]))]
+    assert len(xs) == 50 and st["expert_out_gram"].dtype == torch.float64
+    assert torch.equal(st["expert_out_gram"], expert_output_gram(fam, xs))
+    assert torch.equal(st["expert_out_gram_fisher"], expert_output_gram(fam, xs, st["out_grad_cov"]))
+    spec = BUILTIN_PASSES["choose_groups"]
+    for scale in ("loss", "relative"):
+        curve = merge_curve(fam, st["io_sample_x"][:50], st["expert_counts"], scale, st["out_grad_cov"])
+        cfg = BUILTIN_PASSES["namex"].config(target_experts={"ratio": 0.25, "scale": scale})
+        view = LayerStats.view(0, st, BUILTIN_PASSES["namex"].needs_for(cfg))
+        assert plan_budget({0: view}, cfg) == {0: 6}
+        info = spec.fn(fam, LayerStats.view(0, st, spec.needs), spec.config(ratio=0.25, scale=scale))[1]
+        assert info["merge_costs"] == curve
+
+
+def test_budget_configs_and_errors(tmp_path):
+    import moecompress as mc
+    from moecompress.errors import PassError, RecipeError
+    from moecompress.passes.merge_budget import plan_budget
+    from moecompress.testing import save_tiny
+
+    namex = BUILTIN_PASSES["namex"]
+    with pytest.raises(ValidationError, match="exactly one of ratio or total_experts"):
+        namex.config(target_experts={"ratio": 0.5, "total_experts": 3})
+    with pytest.raises(ValidationError, match="use router: remap"):
+        namex.config(target_experts={"ratio": 0.5}, router="collapse")
+    assert namex.needs_for(namex.config(ratio=0.5)) == {"io_sample", "expert_counts"}
+    assert "expert_out_gram_fisher" in namex.needs_for(namex.config(target_experts={"ratio": 0.5}))
+    rel = namex.config(target_experts={"total_experts": 2, "scale": "relative"})
+    assert "expert_out_gram_fisher" not in namex.needs_for(rel)
+    st = layer_statistics(_two_family_layer(), namex.needs_for(rel))
+    view = LayerStats.view(0, st, namex.needs_for(rel), protected=frozenset({0, 1, 2}))
+    with pytest.raises(
+        PassError, match=r"target_experts=\{'total_experts': 2.*keeps 2 of 8 experts; the layers allow 4 to 8"
+    ):
+        plan_budget({0: view}, rel)
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    rec = {"model": str(tmp_path / "m"), "output": str(tmp_path / "o"),
+           "calibration": {"source": "random", "samples": 4, "seq_len": 8, "propagate": "compressed"}}  # fmt: skip
+    mc.apply({**rec, "steps": [{"namex": {"ratio": 0.5}}]}, dry_run=True, progress=False)  # no plan: allowed
+    budget = {"ratio": 0.5, "scale": "relative"}  # forward statistics only (loss: a backward, refused first)
+    with pytest.raises(RecipeError, match=r"cross-layer plans \(\['step 1 \(namex\)'\]\)"):
+        mc.apply({**rec, "steps": [{"namex": {"target_experts": budget}}]}, dry_run=True, progress=False)

@@ -214,7 +214,12 @@ def test_estimate_counts_a_chunk_not_the_layer(tiny, tmp_path):
         assert one["calibration_layer_bytes"] < two["calibration_layer_bytes"] < whole["calibration_layer_bytes"]
         act = 8 * 16 * ckpt.raw_config["hidden_size"] * 4
         diff = whole["calibration_layer_bytes"] - one["calibration_layer_bytes"]
-        assert one["calibration_memory_bytes"] == whole["calibration_memory_bytes"] - diff + 2 * act
+        # the chunk replaces the layer (plus the recorded MoE input and the fp32 accumulator), in the forward
+        # sweep and in the backward's layer phase; the backward's head phase (logits) may then be the larger
+        low = whole["calibration_memory_bytes"] - diff + 2 * act
+        assert low <= one["calibration_memory_bytes"] < whole["calibration_memory_bytes"]
+        if "expert_prune" in steps[0]:  # forward only: exactly the difference
+            assert one["calibration_memory_bytes"] == low
 
 
 def test_tied_head_reads_the_released_embeddings_again(tmp_path):

@@ -329,8 +329,8 @@ def test_learned_rotation_equals_the_torch_parametrisation_it_replaced():
 
 
 def test_dry_run_counts_the_fine_tuning_workspace(tiny_qwen, tmp_path):
-    """The step estimate holds 38 bytes per quantised weight (float32 weights, int64 codes twice, sorted
-    rows, decoded weights, their gradient, validation weights) and the rotated gate/up, not just the input and output."""
+    """The step estimate holds 12 bytes per quantised weight (float32 weights, uint8 codes twice, sorted
+    rows) plus one expert's decode and gradient, and the rotated gate/up, not just the input and output."""
     from moecompress.passes.codequant import WORKSPACE_BYTES_PER_WEIGHT
 
     rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "steps": [{"codequant": {"bits": 4}}],

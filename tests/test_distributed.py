@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -22,8 +25,9 @@ from tiny import save_tiny
 
 import moecompress as mc
 from moecompress.calibration.stats import StatsCollector
-from moecompress.engine.distributed import Launch
-from moecompress.errors import Interrupted, RecipeError
+from moecompress.engine.distributed import Launch, Ranks
+from moecompress.engine.spec import Chunking, PassConfig, PassSpec
+from moecompress.errors import Interrupted, PassError, RecipeError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.reference import moe_forward
 
@@ -130,7 +134,7 @@ def test_launch_reads_torchrun_variables():
 
 
 NEEDS = {"act_sq_mean", "expert_in_cov", "input_cov", "down_in_cov_pooled", "reap_saliency", "io_sample",
-         "down_out_absmax", "router_sample"}  # fmt: skip
+         "down_out_absmax", "router_sample", "expert_out_gram"}  # fmt: skip
 
 
 def _batch(col, layer, x, mode: str) -> None:
@@ -161,7 +165,10 @@ def test_rounds_merged_in_batch_order_give_the_bits_of_one_collector(model):
     for p in parts:
         merged.add_round(p)
     got = merged.result()
-    assert got.keys() == ref.keys() and {"down_in_cov_pooled", "io_sample_x", "holdout_x"} <= ref.keys()
+    assert (
+        got.keys() == ref.keys()
+        and {"down_in_cov_pooled", "io_sample_x", "holdout_x", "expert_out_gram"} <= ref.keys()
+    )
     assert all(torch.equal(got[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(got[k], ref[k])]
     # the unindexed additions are replayed one by one: ((5 + 1e20) + 1) - 1e20 is 0, not 5 + (1e20 + 1 - 1e20)
     crafted = {"n/tokens": torch.tensor(0), "n/grad_tokens": torch.tensor(0)}
@@ -172,6 +179,39 @@ def test_rounds_merged_in_batch_order_give_the_bits_of_one_collector(model):
     for p in reversed(parts):
         backwards.add_round(p)
     assert not torch.equal(backwards.result()["io_sample_x"], ref["io_sample_x"])
+
+
+def test_backward_rounds_give_the_bits_of_one_collector_with_the_fisher_gram(model):
+    """``expert_out_gram_fisher`` is computed once a layer's backward is complete, from the Ward tokens' MoE
+    inputs (kept like a sample) and ``out_grad_cov``: rounds merged in batch order give the bits of one process."""
+    layer = open_checkpoint(model / "model").read_layer(0)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(n, layer.hidden_size, generator=g) for n in (12, 8, 16)]
+    needs = {"expert_out_gram_fisher", "grad_sq_mean"}
+
+    def back(col, x):
+        col.mode = "backward"
+        xg = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            col.on_input(xg)
+            y = moe_forward(layer, xg, col)
+            col.on_output(y)
+            y.pow(2).sum().backward()
+
+    one = StatsCollector(layer, needs, sample_tokens=40)
+    for x in xs:
+        back(one, x)
+    ref = one.result()
+    part, parts = StatsCollector(layer, needs, sample_tokens=40, rounds=True), []
+    for x in xs:
+        back(part, x)
+        parts.append(load(save(part.take_round())))
+    merged = StatsCollector(layer, needs, sample_tokens=40)
+    for p in parts:
+        merged.add_round(p)
+    got = merged.result()
+    assert got.keys() == ref.keys() and {"expert_out_gram_fisher", "out_grad_cov"} <= ref.keys()
+    assert all(torch.equal(got[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(got[k], ref[k])]
 
 
 @pytest.mark.slow  # 2 ranks end to end (~20 s): the slow lane, which CI also runs
@@ -191,6 +231,13 @@ def test_identity_and_expert_prune_are_byte_identical(model):
 @pytest.mark.slow
 def test_namex_is_byte_identical(model):
     _compare(model, "nx", [{"namex": {"ratio": 0.25, "refine_steps": 2}}])
+
+
+@pytest.mark.slow
+def test_namex_budget_in_one_step_is_byte_identical(model):
+    """The one-step budget: expert_out_gram (forward) and expert_out_gram_fisher (streamed backward) merged
+    over ranks, the plan's allocation, the merge."""
+    _compare(model, "nb", [{"namex": {"target_experts": {"ratio": 0.25}, "refine_steps": 2}}])
 
 
 @pytest.mark.slow
@@ -236,3 +283,251 @@ def test_one_process_is_unchanged_by_a_world_of_one(model):
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert _hashes(model / "w1-two") == _hashes(model / "w1-one")
+
+
+# -- the layer loop sharded by experts (engine/expert_shard.py) ----------------------------------------
+# rank 1 counts the chunks it works (and, with DIE_AT, dies in its DIE_AT-th one, as a killed process does)
+SERVE = r"""
+import os, sys
+from moecompress.engine import expert_shard
+from moecompress.cli import main
+serve, calls = expert_shard.serve, []
+def counted(*a, **k):
+    calls.append(1)
+    if len(calls) == int(os.environ.get("DIE_AT", "0")):
+        os._exit(9)
+    return serve(*a, **k)
+expert_shard.serve = counted
+code = main(sys.argv[1:])
+print(f"SERVED {len(calls)}", flush=True)
+sys.exit(code)
+"""
+
+
+def _sharded(recipe, *extra, die_at: int = 0, timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    port, procs = _port(), []
+    for rank in (0, 1):
+        code = ["-c", SERVE] if rank == 1 else ["-m", "moecompress.cli"]
+        env = {**_env(rank, 2, port), "DIE_AT": str(die_at)}
+        cmd = [sys.executable, *code, "apply", str(recipe), "--quiet", *extra]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return outs
+
+
+def _compare_sharded(tmp_path, name: str, steps: list, served: int, **over) -> None:
+    """One process against two ranks whose rank 1 works ``served`` chunks of experts."""
+    one, two = _recipe(tmp_path, name, steps, **over)
+    if over.get("calibration"):
+        for path in (one, two):  # the per-recipe cache_dir stays
+            rec = yaml.safe_load(path.read_text())
+            rec["calibration"] = {**over["calibration"], "cache_dir": rec["calibration"]["cache_dir"]}
+            path.write_text(yaml.safe_dump(rec))
+    mc.apply(str(one), progress=False)
+    runs = _sharded(two)
+    assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    assert f"SERVED {served}" in runs[1].stdout
+    ref = _hashes(tmp_path / f"{name}-one")
+    assert ref and any(k.endswith(".safetensors") for k in ref)
+    assert _hashes(tmp_path / f"{name}-two") == ref
+
+
+DATA_FREE = {"source": "none"}
+
+
+@pytest.mark.slow  # 2 gloo ranks (~20 s, mostly two interpreters starting); the in-process test below is fast
+def test_rtn_sharded_by_experts_is_byte_identical(model):
+    """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 chunks, rank 1 works one."""
+    _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2, calibration=DATA_FREE)
+
+
+@dataclass(frozen=True)
+class QueueRanks(Ranks):
+    """Two ranks as two threads of this process: every collective the engine uses, and the layer loop's
+    sends and receives, over queues (a test double of the gloo process group)."""
+
+    wire: dict = field(default_factory=dict, compare=False)
+
+    def _q(self, kind: str, src: int, dst: int) -> queue.Queue:
+        return self.wire.setdefault((kind, src, dst), queue.Queue())
+
+    def _all(self, value):
+        other = 1 - self.rank
+        self._q("c", self.rank, other).put(value)
+        got = self._q("c", other, self.rank).get(timeout=120)
+        return [value, got] if self.rank == 0 else [got, value]
+
+    def barrier(self) -> None:
+        self._all(None)
+
+    def all_gather_bytes(self, blob: bytes) -> list[bytes]:
+        return self._all(blob)
+
+    def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]:
+        return self._all(list(values))
+
+    def all_sum_int(self, value: int) -> int:
+        return sum(self._all(value))
+
+    def from_writer(self, flag: bool) -> bool:
+        return self._all(flag)[0]
+
+    def broadcast_ints(self, values: list[int], length: int) -> list[int]:
+        return self._all(list(values))[0]
+
+    def send_bytes(self, blob: bytes, dst: int) -> None:
+        self._q("p", self.rank, dst).put(blob)
+
+    def recv_bytes(self, src: int) -> bytes:
+        return self._q("p", src, self.rank).get(timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "calibrated"),
+    [("off", False), (3, False), pytest.param("off", True, marks=pytest.mark.slow)],  # calibrated: ~10 s
+)
+def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated):
+    """The sharding itself, fast: rank 1 (a thread) works chunks k mod 2 of every MoE layer (``off``: split
+    in 2 halves; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 receives and writes them. Data-free
+    rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
+    from moecompress.engine import executor
+    from moecompress.engine.dry_run import dry_run
+
+    steps = [{"heapr": {"ratio": 0.25}}, {"expert_prune": {"ratio": 0.25}}, {"rtn": {"bits": 4}}]
+    steps = steps if calibrated else steps[2:]  # (expert-chunked calibration is not data-parallel)
+    one, two = _recipe(model, f"q{chunk}{calibrated}", steps, expert_chunk=chunk)
+    for path in (one, two):  # a short calibration (2 batches and 1 held back), or none
+        rec = yaml.safe_load(path.read_text())
+        small = {**rec["calibration"], "samples": 6, "seq_len": 8} if calibrated else DATA_FREE
+        path.write_text(yaml.safe_dump({**rec, "calibration": small}))
+    ref = mc.apply(str(one), progress=False).report
+    rec = mc.load_recipe(str(two))
+    ckpt = open_checkpoint(rec.model)
+    plan, wire, out = dry_run(rec, ckpt), {}, {}
+    fp = executor._check_calibration_source(rec, ckpt)
+
+    def rank(r: int) -> dict:
+        return executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(r, 2, wire=wire)).report
+
+    t = threading.Thread(target=lambda: out.update(rank(1)))
+    t.start()
+    got = rank(0)
+    t.join(60)
+    assert not t.is_alive() and out["layer_loop"]["chunks"] == 2 and out["layer_loop"]["layers"] == 2
+    assert _hashes(model / f"q{chunk}{calibrated}-two") == _hashes(model / f"q{chunk}{calibrated}-one")
+    sizes = [[(s["params_after"], s["bytes_after"]) for s in r["steps"]] for r in (ref, got)]
+    assert sizes[0] == sizes[1]
+
+
+def test_chunk_parts_travel_as_bytes_unchanged(model):
+    """A chunk's parts through safetensors + JSON (no pickle) equal the parts themselves; an error raised
+    on the sending rank is raised again, with its type and line, on the receiving one."""
+    from moecompress.engine import chunk_wire
+    from moecompress.engine.chunk_work import ErrPart, chunk_parts, prepare
+    from moecompress.engine.context import RunContext
+    from moecompress.engine.recipe import load_recipe
+
+    rec = load_recipe({"model": str(model / "model"), "output": str(model / "o"), "calibration": DATA_FREE,
+                       "steps": [{"expert_prune": {"ratio": 0.25, "method": "random"}}, {"rtn": {"bits": 4}}]})  # fmt: skip
+    ckpt = open_checkpoint(model / "model")
+    steps = list(rec.steps)
+    lp = prepare(ckpt, steps, None, [None, None], RunContext.for_recipe(rec, ckpt, progress=False), 0)
+    want = list(chunk_parts(lp, 2, 7, {0, 1}))
+    got = chunk_wire.decode(chunk_wire.encode(chunk_parts(lp, 2, 7, {0, 1}), steps))
+    assert len(got) == len(want) and not any(isinstance(p, ErrPart) for p in got)
+    for a, b in zip(want, got, strict=True):
+        assert (a.s, a.g0, a.info, a.bound, a.changed, a.stock) == (
+            b.s,
+            b.g0,
+            b.info,
+            b.bound,
+            b.changed,
+            b.stock,
+        )
+        assert [(h, n) for h, n, _ in a.writes] == [(h, n) for h, n, _ in b.writes] and a.writes
+        assert all(
+            torch.equal(x, y) and x.dtype == y.dtype for (_, _, x), (_, _, y) in zip(a.writes, b.writes)
+        )
+        assert (
+            a.skeleton.num_experts == b.skeleton.num_experts and b.skeleton.gate.kind == a.skeleton.gate.kind
+        )
+    with pytest.raises(PassError, match=r"^step 2 \(rtn\), layer 0: broken$"):
+        chunk_wire.decode(chunk_wire.encode_error(PassError("step 2 (rtn), layer 0: broken")))
+
+
+@pytest.mark.slow  # 2 ranks with calibration (~25 s)
+def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
+    """heapr (global plan), expert_prune (a selection on the shell), rtn, every step written; the held-back
+    error sums cross ranks."""
+    steps = [
+        {"heapr": {"ratio": 0.25}},
+        {"expert_prune": {"ratio": 0.25}},
+        {"rtn": {"bits": 4, "group_size": 16}},
+    ]
+    _compare_sharded(model, "pe", steps, served=2)
+
+
+@pytest.mark.slow
+def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
+    """A layer with tdmoe (needs every expert) runs whole on rank 0 while rank 1 waits (codequant too:
+    ``test_codequant_is_byte_identical``); with expert_chunk: 3 the per-expert rtn layers go by chunks k mod
+    2 (rank 1: chunk 1 of 3)."""
+    _compare_sharded(model, "cx", [{"expert_prune": {"ratio": 0.25}}, {"tdmoe": {"ratio": 0.4}}], served=0)
+    _compare_sharded(model, "c3", [{"rtn": {"bits": 4}}], served=2, expert_chunk=3, calibration=DATA_FREE)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_the_same_bytes(model):
+    steps = [{"heapr": {"ratio": 0.25}}, {"rtn": {"bits": 4}}]
+    one, two = _recipe(model, "kl", steps)
+    mc.apply(str(one), progress=False)
+    first = _sharded(two, die_at=2)  # rank 1 dies in its chunk of the second MoE layer
+    assert first[1].returncode == 9
+    assert first[0].returncode == Interrupted.exit_code, first[0].stderr[-2000:]
+    lines = first[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0 of 2: recv failed"), lines
+    assert "nothing was written" in lines[0]
+    assert not (model / "kl-two").exists() and not (model / ".kl-two.partial").exists()
+    again = _sharded(two, "--resume")
+    assert [r.returncode for r in again] == [0, 0], [r.stderr[-2000:] for r in again]
+    assert _hashes(model / "kl-two") == _hashes(model / "kl-one")
+
+
+def _fails_on_rank_1(layer, stats, cfg):
+    if threading.current_thread().name == "rank 1":
+        raise PassError("cannot take this chunk")
+    return layer, {}
+
+
+FAILS = PassSpec("fails_on_rank_1", PassConfig, _fails_on_rank_1,
+                 chunking=Chunking("expert", merge=lambda infos, bounds, cfg: {}))  # fmt: skip
+
+
+def test_a_pass_error_on_another_rank_is_raised_on_rank_0_with_its_line(model):
+    """Rank 1's chunk fails in a pass: rank 0 raises the same PassError, naming the step and the layer."""
+    from moecompress.engine import executor
+    from moecompress.engine.dry_run import dry_run
+    from moecompress.engine.recipe import load_recipe, pass_table
+
+    rec = load_recipe({"model": str(model / "model"), "output": str(model / "pf"), "calibration": DATA_FREE,
+                       "steps": [{"fails_on_rank_1": {}}]}, passes=pass_table([FAILS]))  # fmt: skip
+    ckpt = open_checkpoint(rec.model)
+    plan, wire, errs = dry_run(rec, ckpt), {}, {}
+
+    def rank(r: int) -> None:
+        try:
+            executor._compress(rec, ckpt, plan, "", None, False, QueueRanks(r, 2, wire=wire))
+        except PassError as err:
+            errs[r] = str(err)
+
+    t = threading.Thread(target=rank, args=(1,), name="rank 1")
+    t.start()
+    rank(0)
+    t.join(60)
+    want = "step 1 (fails_on_rank_1), layer 0: cannot take this chunk"
+    assert errs == {0: want, 1: want}

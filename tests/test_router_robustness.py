@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from tiny import save_tiny
 
@@ -110,3 +111,59 @@ def test_logit_stability_compares_routings_on_different_inputs():
     assert same["kl"] < 1e-12 and 0 < same["jaccard"] < 1  # tokens that chose 1 or 4 now differ
     drifted = logit_stability(base, base + 0.5 * torch.randn(64, 8, generator=g, dtype=torch.float64), 2)
     assert drifted["jaccard"] < 1 and drifted["kl"] > 0
+
+
+_CAL = {"source": "random", "samples": 5, "seq_len": 16, "batch_size": 2, "sample_tokens": 40}
+"""Two batches of 32 tokens before the held-back one: the 40-token sample spans both."""
+
+
+def _drift_run(tmp_path, name, step):
+    """A ``[step, router_robustness]`` recipe under ``propagate: compressed`` on a tiny 2-layer model:
+    (result, the probe's report)."""
+    if not (tmp_path / "m").exists():
+        save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    cal = {**_CAL, "propagate": "compressed"}
+    rec = {"model": str(tmp_path / "m"), "output": str(tmp_path / name), "calibration": cal,
+           "steps": [step, {"router_robustness": {"epsilons": [0.0]}}]}  # fmt: skip
+    res = mc.apply(rec, progress=False)
+    return res, json.loads((tmp_path / name / "steps" / "02-router_robustness" / "report.json").read_text())
+
+
+def test_drift_on_propagated_inputs_is_exact_for_identity_and_uses_the_base_routing(tmp_path):
+    """Under ``propagate: compressed`` an identity step drifts by nothing, exactly; ``router_sample_base``
+    is the input checkpoint's own ``router_sample``, bit for bit (a second stream of the sample's batches
+    through the unmodified layers), and the drift grows downstream."""
+    from moecompress.calibration.cache import load_layer
+
+    ident, rep = _drift_run(tmp_path, "ident", {"identity": {}})
+    assert all(r["info"]["drift"] == {"jaccard": 1.0, "kl": 0.0} for r in rep["layers"])
+    res, rep = _drift_run(tmp_path, "reap", {"expert_prune": {"ratio": 0.5, "method": "reap"}})
+    drift = {r["layer"]: r["info"]["drift"] for r in rep["layers"]}
+    assert drift[1]["jaccard"] < 1 and drift[1]["kl"] > 0  # removed experts and drifted inputs
+    assert drift[0]["kl"] < 1e-12  # layer 0: the same inputs, the kept rows exact
+    for i in range(2):  # identity propagates the input checkpoint's own states (= propagate: original)
+        base = load_layer(ident.cache_entry, i)["router_sample"]
+        new = load_layer(res.cache_entry, i)
+        assert torch.equal(new["router_sample_base"], base)
+        assert i == 0 or not torch.equal(new["router_sample_base"], new["router_sample"])
+
+
+@pytest.mark.slow  # three calibrations
+def test_drift_on_propagated_inputs_equals_the_benchmark(tmp_path):
+    """The stage's drift is ``benchmarks/quality.py --drift`` (each checkpoint calibrated on its own
+    inputs, router_sample compared), per layer."""
+    import importlib.util
+    from pathlib import Path
+
+    _, rep = _drift_run(tmp_path, "reap", {"expert_prune": {"ratio": 0.5, "method": "reap"}})
+    drift = {str(r["layer"]): r["info"]["drift"] for r in rep["layers"]}
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+    spec = importlib.util.spec_from_file_location("quality_bench", path)
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)  # type: ignore[union-attr]
+    step = json.loads((tmp_path / "reap" / "steps" / "01-expert_prune" / "report.json").read_text())
+    bench = quality.routing_drift(tmp_path / "m", tmp_path / "reap", _CAL, step)["per_layer"]
+    assert bench.keys() == drift.keys()
+    for i in drift:
+        assert drift[i]["jaccard"] == pytest.approx(bench[i]["jaccard"], abs=1e-12)
+        assert drift[i]["kl"] == pytest.approx(bench[i]["kl"], rel=1e-4, abs=1e-9)

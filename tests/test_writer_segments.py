@@ -44,3 +44,23 @@ def test_unfinished_or_short_segments_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="dtype"):
         w.append("z", torch.zeros(1))
         w.append("z", torch.zeros(1, dtype=torch.int64))
+
+
+def test_a_segmented_tensor_past_the_shard_size_ends_in_its_own_shard(tmp_path):
+    """Ending the last unfinished tensor of an over-full shard must not finish that shard first (the
+    tensor's bytes are in it): the DeepSeek-V3 chunked heapr write failed this way."""
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(8, 16, generator=g)
+    w = ShardWriter(tmp_path / "a", max_shard_size=100)
+    w.add("small", torch.ones(4))
+    for a in range(0, 8, 2):
+        w.append("fused", fused[a : a + 2])
+        w.add(f"e.{a}", torch.full((3,), float(a)))
+    w.end("fused", fused.shape)
+    w.add("after", torch.zeros(2))
+    w.commit()
+    got = {}
+    for shard in sorted((tmp_path / "a").glob("*.safetensors")):
+        got.update(load_file(str(shard)))
+    assert torch.equal(got["fused"], fused) and torch.equal(got["e.6"], torch.full((3,), 6.0))
+    assert sorted(got) == sorted(["small", "fused", "after"] + [f"e.{a}" for a in range(0, 8, 2)])

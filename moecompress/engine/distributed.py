@@ -9,13 +9,15 @@ group, every helper the identity, the code path of one process.
 
 The rule (``docs/distributed.md``): calibration is data-parallel (rank ``r`` runs the batches
 ``b % N == r``; every statistic is merged round by round, batch after batch, in the single process's
-order, so the bits are the same); rank 0 alone takes the locks, writes the statistics cache, runs the
-layer loop, the journal and the atomic rename; the other ranks return once calibration is done. A
-collective that fails because another rank died raises :class:`~moecompress.errors.Interrupted`.
+order, so the bits are the same); rank 0 alone takes the locks, writes the statistics cache, the output,
+the journal and the atomic rename; in the layer loop the experts of a layer are sharded across the ranks
+(:mod:`moecompress.engine.expert_shard`, point to point: :meth:`Ranks.send_bytes`). A collective that
+fails because another rank died raises :class:`~moecompress.errors.Interrupted`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -115,6 +117,37 @@ class Ranks:
         t = torch.tensor([value], dtype=torch.int64, device=torch.device(self.device))
         _guard(self, "all_reduce", lambda: torch.distributed.all_reduce(t))
         return int(t)
+
+    def broadcast_ints(self, values: list[int], length: int) -> list[int]:
+        """Rank 0's ``values`` (``length`` of them, int64) on every rank."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.zeros(length, dtype=torch.int64, device=torch.device(self.device))
+        if self.is_writer:
+            t[:] = torch.tensor(values, dtype=torch.int64)
+        _guard(self, "broadcast", lambda: torch.distributed.broadcast(t, src=0))
+        return [int(x) for x in t.cpu()]
+
+    def send_bytes(self, blob: bytes, dst: int) -> None:
+        """``blob`` to rank ``dst`` (its length first, then the bytes; :meth:`recv_bytes` there)."""
+        dev = torch.device(self.device)
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+        _guard(self, "send", lambda: torch.distributed.send(size, dst))
+        if blob:
+            with warnings.catch_warnings():  # read-only bytes: the send only reads them (no copy)
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(blob, dtype=torch.uint8).to(dev)
+            _guard(self, "send", lambda: torch.distributed.send(data, dst))
+
+    def recv_bytes(self, src: int) -> bytes:
+        """The next blob rank ``src`` sends this rank (:meth:`send_bytes`)."""
+        dev = torch.device(self.device)
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+        _guard(self, "recv", lambda: torch.distributed.recv(size, src))
+        data = torch.empty(int(size), dtype=torch.uint8, device=dev)
+        if data.numel():
+            _guard(self, "recv", lambda: torch.distributed.recv(data, src))
+        return data.cpu().numpy().tobytes()
 
     def from_writer(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank."""

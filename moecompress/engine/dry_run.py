@@ -68,7 +68,7 @@ def _check_propagation(recipe: Recipe, needs: set[str]) -> None:
             "calibration.propagate: 'compressed' cannot be combined with gradient statistics "
             f"(needed by {[s.label for s in recipe.steps if backward_needed(s.needs)]}); use 'original'"
         )
-    planned = [s.label for s in recipe.steps if s.spec.plan is not None]
+    planned = [s.label for s in recipe.steps if s.spec.plans_for(s.config)]
     if planned:
         raise RecipeError(f"calibration.propagate: 'compressed' cannot be combined with cross-layer plans ({planned})")
 

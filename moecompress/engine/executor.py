@@ -12,7 +12,8 @@
    statistic collected or cached, and no reconstruction error measured (the reports say so: ``null``);
 4. run cross-layer **plans**;
 5. the **layer loop** (:mod:`moecompress.engine.run`): per decoder layer, read it, run the steps,
-   write each emitted step's checkpoint, copy non-MoE tensors, free; journal for ``--resume``;
+   write each emitted step's checkpoint, copy non-MoE tensors, free; journal for ``--resume``; under
+   ``torchrun`` the other ranks work chunks of experts for rank 0 (:mod:`moecompress.engine.expert_shard`);
 6. reports, then the staging directory is renamed onto the output.
 """
 
@@ -37,7 +38,7 @@ from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.engine import distributed, resources, segments
+from moecompress.engine import distributed, expert_shard, resources, segments
 from moecompress.engine.context import RunContext, resolve_device
 from moecompress.engine.distributed import Launch
 from moecompress.engine.dry_run import dry_run
@@ -204,7 +205,7 @@ def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path | None) -> dict[int,
     plans: dict[int, dict[int, Any]] = {}
     protected = {i: set(ckpt.protected.get(i, ())) for i in ckpt.moe_layer_indices}
     for step in recipe.steps:
-        if step.spec.plan is None:
+        if not step.spec.plans_for(step.config):  # no plan, or this configuration decides nothing across layers
             continue
         all_stats = {
             i: step_stats(step, i, load_layer(entry, i) if entry is not None else {},
@@ -314,11 +315,15 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
             on_layer=compress_for_propagation(rec, ctx.device) if compressed else None,
             cache_key_extra=rec.fingerprint() if compressed else "",
         )  # fmt: skip
-    if not ranks.is_writer:  # its calibration share is done; rank 0 runs the layer loop and writes
-        return RunResult(Path(rec.output), {"rank": ranks.rank, "calibration": calib}, cache_entry=entry)
+    if not ranks.is_writer:  # its calibration share is done; it works the chunks of experts rank 0 hands out
+        work = expert_shard.follow(ranks, ckpt, list(rec.steps), entry, ctx, lambda: run_plans(rec, ckpt, entry),
+                                   needs_stats=not rec.calibration.data_free)  # fmt: skip
+        report = {"rank": ranks.rank, "calibration": calib, "layer_loop": work}
+        return RunResult(Path(rec.output), report, cache_entry=entry)
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
     run.loop()
+    expert_shard.release(ranks, list(rec.steps))  # before the rename: a rank lost by now fails the run
     if entry is None:  # every row says that its error is unknown, not zero
         for rows in run.rows.values():
             for row in rows:

@@ -4,9 +4,9 @@ Calibration keeps every batch's hidden states of one decoder layer twice (its in
 ``samples × seq_len × hidden`` values each, plus the token ids and one materialised layer (its stored
 tensors, half as much again while one projection's experts are stacked, and a compute-dtype copy when
 that differs from the stored dtype), over what every run holds (``STEP_BASE_BYTES``). The streamed
-backward adds the stored inputs of every decoder layer (in RAM unless ``offload`` puts them on disk),
-one gradient of the hidden states, the LM head and, per batch, the logits at the head with their
-gradient. An expert-chunked MoE layer (``expert_chunk``) counts its non-expert tensors and one chunk of
+backward holds the stored inputs of every decoder layer (in RAM unless ``offload`` puts them on disk),
+one gradient of the hidden states and the LM head, with first the logits of a batch and their gradient,
+then one decoder layer at a time (the larger of the two phases counts). An expert-chunked MoE layer (``expert_chunk``) counts its non-expert tensors and one chunk of
 experts instead of the layer, and adds every batch's recorded MoE input and an fp32 accumulator of its
 MoE output (forward) or input gradient (backward) (:mod:`moecompress.calibration.chunked`).
 
@@ -91,16 +91,20 @@ def estimate(
     layers = [(idx, keys) for idx, keys in ckpt.key_groups() if idx is not None]
     n_layers = len(layers)
     layer_mem = max((_layer_memory(ckpt, keys, dtype, idx, chunks.get(idx)) for idx, keys in layers), default=0)
-    mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + layer_mem
-    if chunks:  # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
-        mem += act + tokens * hidden * 4
+    # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
+    in_layer = layer_mem + (act + tokens * hidden * 4 if chunks else 0)
+    mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer  # the forward sweep
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):
         store = n_layers * act
         on_disk = c.offload == "disk" or (c.offload == "auto" and store > OFFLOAD_AUTO_BYTES)
         disk = store if on_disk else 0
-        mem += (0 if on_disk else store) + act + 3 * min(c.batch_size, c.samples) * c.seq_len * vocab * 4
-        mem += vocab * hidden * size  # the LM head (the input embeddings are freed once every batch is captured)
+        logits = 3 * min(c.batch_size, c.samples) * c.seq_len * vocab * 4
+        # the LM head (the input embeddings are freed once every batch is captured), the stored inputs and
+        # the gradients; then first every batch's logits and the last hidden states (the loss), later one
+        # decoder layer at a time: the two phases do not overlap (calibration/sweep.py ``_backward``)
+        held = STEP_BASE_BYTES + tokens * 8 + (0 if on_disk else store) + act + vocab * hidden * size
+        mem = max(mem, held + max(act + logits, in_layer + act))
     out = {"calibration_memory_bytes": mem, "calibration_layer_bytes": layer_mem, "backward_disk_bytes": disk}
     if "route_attrib" in set(recipe.needs):  # the routing-attribution trace (calibration/trace.py)
         trace = trace_bytes(n_layers, len(ckpt.moe_layer_indices), min(ATTRIB_TOKENS, tokens), hidden,

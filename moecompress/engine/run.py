@@ -20,6 +20,7 @@ from moecompress._version import __version__
 from moecompress.calibration.cache import load_layer
 from moecompress.engine.chunk_loop import chunked_layer
 from moecompress.engine.context import RunContext
+from moecompress.engine.expert_shard import chunk_size
 from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
 from moecompress.engine.layer_loop import raw_layer_tensors, raw_selection, stream_layers, write_raw
 from moecompress.engine.protection import MASSIVE_RATIO_WARNING, RENUMBER_KEY, TopActivation
@@ -114,8 +115,9 @@ class RecipeRun:
     def moe_layer(self, idx: int) -> None:
         # device-generic passes (PassSpec.on_device) and the reconstruction forwards run on the compute
         # device, the others on the host; the writer takes every tensor to the host
-        if idx in self.ctx.expert_chunks:  # never held whole (moecompress.engine.chunk_loop)
-            return chunked_layer(self, idx, self.ctx.expert_chunks[idx])
+        size = chunk_size(self.rec, self.ckpt, self.ctx, idx)  # expert_chunk, or sharded over the ranks
+        if size is not None:  # never held whole (moecompress.engine.chunk_loop, engine.expert_shard)
+            return chunked_layer(self, idx, size)
         dev, host = torch.device(self.ctx.device), torch.device("cpu")
         layer = self.ckpt.read_layer(idx)
         kept: list[int] | None = list(range(layer.router.num_experts))  # input experts, while only selected

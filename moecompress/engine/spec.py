@@ -29,7 +29,8 @@ Fields of a spec:
 - ``plan(all_stats, cfg) -> {layer: decision}``: decisions across layers (global rankings, budgets);
   the decision for layer ``i`` arrives as ``stats.plan``. ``protects(decision) -> ids``: for a step
   whose plan decides protection, the experts it protects, so later plans see them in
-  ``stats.protected``.
+  ``stats.protected``. ``plans(cfg) -> bool``: whether a step with this configuration decides across
+  layers (default: whenever ``plan`` is set); ``calibration.propagate: compressed`` refuses only those.
 - ``summarize(infos, cfg) -> {"summary", "warnings", "plots"}``: the step report's summary.
 - ``report_only``: the step only reports (``analyze``); it never writes a checkpoint.
 - ``extras``: optional dependency groups the step needs (``("decompose",)``): checked in the dry run.
@@ -232,6 +233,7 @@ class PassSpec:
     on_device: bool = False
     workspace: Callable[[MoELayer, Any], int] | None = None
     chunking: Chunking | None = None
+    plans: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "needs", frozenset(self.needs))
@@ -245,6 +247,10 @@ class PassSpec:
     def needs_for(self, cfg: Any) -> frozenset[str]:
         """The statistics a step with configuration ``cfg`` needs."""
         return self.needs if self.needs_fn is None else frozenset(self.needs_fn(cfg)) & self.needs
+
+    def plans_for(self, cfg: Any) -> bool:
+        """Whether a step with configuration ``cfg`` makes a cross-layer decision."""
+        return self.plan is not None and (self.plans is None or bool(self.plans(cfg)))
 
     def emitted(self, layer: MoELayer, cfg: Any) -> MoELayer:
         """The layer this step would produce from ``layer`` (shapes only; see ``emits``)."""

@@ -217,7 +217,10 @@ class ShardWriter:
                 f"tensor {name!r}: its pieces hold {got} bytes, {shape} {pend.dtype} needs {size}"
             )
         code, header_shape = _header_entry(name, pend.dtype, shape, size)
-        part = self._part_for(0)
+        # the shard that holds the pieces, not finished first (``make_room`` would, once no tensor is
+        # pending and the shard is over ``max_shard_size``, and the entry would land in an empty shard)
+        part = self._part if pend.ranges else self._part_for(0)
+        assert part is not None
         ranges = pend.ranges or [(part.size, part.size)]
         entry = _Entry(name, code, header_shape, ranges[0][0], ranges[0][1], list(ranges[1:]))
         part.entries.append(entry)

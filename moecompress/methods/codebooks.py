@@ -3,19 +3,21 @@ reassignment and centroid fine-tuning (used by :mod:`moecompress.passes.codequan
 
 Shapes: a projection's weights ``w`` ``[M, out, in]`` (the quantised experts only), codebooks
 ``cents`` ``[M, out, G, K]`` (``G = in / gs`` groups of ``gs`` inputs, ``K = 2^bits``), indices ``codes``
-``[M, out, in]`` (int64).
+``[M, out, in]`` (``uint8``: ``K <= 256``; widened to int64 one expert at a time where an index is needed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
-from moecompress.methods.kmeans import SortedRows, kmeans_1d, nearest
+from moecompress.methods.kmeans import CHUNK_VALUES, SortedRows, kmeans_1d, nearest
 from moecompress.methods.rotation import fake_quant_tokens
 from moecompress.reference import (
     _hidden,
@@ -46,11 +48,19 @@ def rotate_bank(bank: ExpertBank, rotation: torch.Tensor, exempt: frozenset[int]
     return dataclasses.replace(bank, **new, rotation=rotation.to(torch.float32), unrotated=exempt)
 
 
-def decode(cents: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Weights ``[M, out, in]`` of codebooks ``cents`` ``[M, out, G, K]`` and indices ``codes``."""
-    m, out, g, _ = cents.shape
+WeightFn = Callable[[str, str, int], torch.Tensor]
+"""``(bank, proj, i) ->`` the weights of the ``i``-th expert of a quantised part (decoded when asked)."""
+_PROJ = ("gate", "up", "down")
+
+CODE_DTYPE = torch.uint8
+"""The codes' integer type while codequant works (``K = 2^bits <= 256``): 1 byte per weight, not int64's 8."""
+
+
+def decode_one(cents: torch.Tensor, codes: torch.Tensor, i: int) -> torch.Tensor:
+    """Weights ``[out, in]`` of expert ``i`` of codebooks ``cents`` ``[M, out, G, K]`` and indices ``codes``."""
+    _, out, g, _ = cents.shape
     inn = codes.shape[-1]
-    return cents.gather(3, codes.view(m, out, g, inn // g)).view(m, out, inn)
+    return cents[i].gather(2, codes[i].view(out, g, inn // g).long()).view(out, inn)
 
 
 def cluster(
@@ -61,7 +71,8 @@ def cluster(
     ``keep_sorted``: also the groups' :class:`SortedRows` (``reassign_rows(w, G, None)`` without a sort)."""
     m, out, inn = w.shape
     g, k = inn // gs, 1 << bits
-    res = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed, keep_sorted=keep_sorted)
+    res = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed, keep_sorted=keep_sorted,
+                    code_dtype=CODE_DTYPE)  # fmt: skip
     return (res[0].view(m, out, g, k), res[1].view(m, out, inn), *res[2:])  # type: ignore[return-value]
 
 
@@ -69,22 +80,27 @@ def reassign(
     w: torch.Tensor, cents: torch.Tensor, scale: torch.Tensor | None, rows: SortedRows | None = None
 ) -> torch.Tensor:
     """Output-aware reassignment ``k*(i, j) = argmin_k (B_j W_ij − A_j C_ik)²``, i.e. the centroid
-    nearest to ``W_ij · B_j / A_j`` (``scale = B / A`` ``[M, in]``; ``None`` = 1: nearest centroid).
+    nearest to ``W_ij · B_j / A_j`` (``scale = B / A`` ``[M, in]``; ``None`` = 1: nearest centroid), as
+    :data:`CODE_DTYPE`, a few experts at a time (``CHUNK_VALUES`` weights).
     ``rows``: :func:`reassign_rows` of the same ``w`` and ``scale``, sorted once for repeated calls."""
     m, out, g, k = cents.shape
     inn = w.shape[-1]
-    flat = cents.reshape(m * out * g, k)
     if rows is not None:
-        return rows.assign(flat).view(m, out, inn)
-    t = w if scale is None else w * scale[:, None, :]
-    return nearest(t.reshape(m * out * g, inn // g), flat).view(m, out, inn)
+        return rows.assign(cents.reshape(m * out * g, k)).view(m, out, inn)
+    codes = torch.empty(w.shape, dtype=CODE_DTYPE, device=w.device)
+    step = max(1, CHUNK_VALUES // max(out * inn, 1))
+    for a in range(0, m, step):
+        b = min(a + step, m)
+        t = w[a:b] if scale is None else w[a:b] * scale[a:b, None, :]
+        codes[a:b] = nearest(t.reshape(-1, inn // g), cents[a:b].reshape(-1, k)).view(b - a, out, inn)
+    return codes
 
 
 def reassign_rows(w: torch.Tensor, groups: int, scale: torch.Tensor | None) -> SortedRows:
     """The values :func:`reassign` assigns (``W_ij · B_j / A_j`` per group of ``w`` ``[M, out, in]``), sorted."""
     m, out, inn = w.shape
     t = w if scale is None else w * scale[:, None, :]
-    return SortedRows(t.reshape(m * out * groups, inn // groups))
+    return SortedRows(t.reshape(m * out * groups, inn // groups), code_dtype=CODE_DTYPE)
 
 
 def channel_scale(x: torch.Tensor, act_bits: int | None) -> torch.Tensor | None:
@@ -146,6 +162,7 @@ class _Blocks:
         phys = physical_ids(ids, n_logical, rotated.expert_map)
         routed = next((p["ids"] for (b, _), p in parts.items() if b == "experts"), [])
         self.pos = {e: i for i, e in enumerate(routed)}
+        self.keys = set(parts)
         self.rotated, self.xin, self.x = rotated, bank_input(bank, x), x
         self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
@@ -178,22 +195,52 @@ class _Blocks:
                     }
                     self.dense[b, proj] = getattr(src, proj).dense().float()[part_slice(part)]
 
-    def _weights(self, b: str, ws: dict[tuple[str, str], list[torch.Tensor]], i: int) -> list[torch.Tensor]:
-        return [ws[b, p][i] if (b, p) in ws else self.dense[b, p][i] for p in ("gate", "up", "down")]
+    def _weights(self, b: str, ws: WeightFn, i: int) -> list[torch.Tensor]:
+        return [ws(b, p, i) if (b, p) in self.keys else self.dense[b, p][i] for p in _PROJ]
 
-    def forward(self, ws: dict[tuple[str, str], list[torch.Tensor]]) -> torch.Tensor:
-        """Block output ``[T, H]`` (fp32) with the quantised experts' weights ``ws`` ``{(bank, proj): [W_i]}``
-        (one ``[live, in]`` / ``[out, live]`` matrix per part expert, in the part's ``ids`` order)."""
+    def expert(self, e: int, ws: WeightFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed expert ``e``'s tokens and weighted output with the quantised weights ``ws``."""
+        tok, w = self.routes[e]
+        return tok, _expert(
+            self.rotated.experts, e, self.xin[tok], *self._weights("experts", ws, self.pos[e])
+        ) * w
+
+    def shared_out(self, ws: WeightFn) -> torch.Tensor:
+        s = _expert(self.rotated.shared, 0, self.x.float(), *self._weights("shared", ws, 0))  # type: ignore[arg-type]
+        return s if self.shared_gate is None else s * self.shared_gate
+
+    def forward(self, ws: WeightFn) -> torch.Tensor:
+        """Block output ``[T, H]`` (fp32) with the quantised experts' weights ``ws(bank, proj, i)`` (the
+        ``[live, in]`` / ``[out, live]`` matrix of the part's ``i``-th expert, asked for one expert at a time)."""
         toks, ys = [], []
-        bank = self.rotated.experts
-        for e, (tok, w) in self.routes.items():
-            ys.append(_expert(bank, e, self.xin[tok], *self._weights("experts", ws, self.pos[e])) * w)
+        for e in self.routes:
+            tok, y = self.expert(e, ws)
             toks.append(tok)
+            ys.append(y)
         out = self.const if not toks else self.const.index_add(0, torch.cat(toks), torch.cat(ys))
         if self.shared:
-            s = _expert(self.rotated.shared, 0, self.x.float(), *self._weights("shared", ws, 0))  # type: ignore[arg-type]
-            out = out + (s if self.shared_gate is None else s * self.shared_gate)
+            out = out + self.shared_out(ws)
         return out
+
+    def backward(
+        self, grad: torch.Tensor, ws: WeightFn, sink: Callable[[str, str, int, torch.Tensor], None]
+    ) -> None:
+        """The gradients of the quantised weights given ``grad``, the gradient of :meth:`forward`'s output,
+        one expert at a time (its forward again, then its backward): ``sink(bank, proj, i, dL/dW)``. The same
+        values as autograd through the whole block (``index_add``'s backward hands each expert
+        ``grad[tok]``), with one expert's weights and gradients alive instead of every expert's."""
+
+        def one(b: str, i: int, run: Callable[[WeightFn], torch.Tensor], g: torch.Tensor) -> None:
+            leaves = {p: ws(b, p, i).detach().requires_grad_(True) for p in _PROJ if (b, p) in self.keys}
+            run(lambda _b, p, _i: leaves[p]).backward(g)
+            for p, leaf in leaves.items():
+                if leaf.grad is not None:
+                    sink(b, p, i, leaf.grad)
+
+        for e, (tok, _) in self.routes.items():
+            one("experts", self.pos[e], lambda w, e=e: self.expert(e, w)[1], grad[tok])
+        if self.shared:
+            one("shared", 0, self.shared_out, grad)
 
 
 def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> torch.Tensor:
@@ -210,12 +257,15 @@ def part_slice(part: dict) -> tuple:
     return (idx, slice(None), live) if part["proj"] == "down" else (idx, live)
 
 
-def _leaves(cents: dict, codes: dict, grad: bool) -> dict[tuple[str, str], list[torch.Tensor]]:
-    """Decoded weights of every part, one tensor per expert (leaves of the autograd graph when ``grad``:
-    a gradient lands in its expert's ``[out, in]`` only, never in a dense copy of the bank)."""
-    with torch.no_grad():
-        dec = {k: decode(cents[k].detach(), codes[k]) for k in cents}
-    return {k: [w.detach().requires_grad_(grad) for w in d.unbind(0)] for k, d in dec.items()}
+def _decoder(cents: dict, codes: dict) -> WeightFn:
+    """``ws(bank, proj, i)``: expert ``i``'s weights decoded from its codebooks when asked (no dense copy)."""
+    return lambda b, p, i: decode_one(cents[b, p], codes[b, p], i)
+
+
+def _to_centroids(grads: dict, codes: dict, b: str, p: str, i: int, g: torch.Tensor) -> None:
+    """Expert ``i``'s weight gradient ``g`` into its centroids' gradient: ``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``."""
+    _, o, n_g, _ = grads[b, p].shape
+    grads[b, p][i].scatter_add_(2, codes[b, p][i].view(o, n_g, -1).long(), g.view(o, n_g, -1))
 
 
 def finetune(
@@ -251,7 +301,7 @@ def finetune(
     def val_error(cents, codes) -> float:
         with torch.no_grad():
             rounded = {k: v.half().float() for k, v in cents.items()}
-            return rel_error(val.forward(_leaves(rounded, codes, False)), y_val)
+            return rel_error(val.forward(_decoder(rounded, codes)), y_val)
 
     codes = {k: p["codes"] for k, p in parts.items()}
     rows = {
@@ -266,18 +316,17 @@ def finetune(
     start, fit_first, fit_last = best[0], None, None
     denom = float((y_fit.double() ** 2).sum().clamp_min(1e-30)) / y_fit.numel()
     for step in range(1, steps + 1):
-        ws = _leaves(params, codes, True)
-        loss = ((fit.forward(ws) - y_fit) ** 2).mean() / denom
+        with torch.no_grad():
+            out = fit.forward(_decoder({k: v.detach() for k, v in params.items()}, codes))
+        out.requires_grad_(True)
+        loss = ((out - y_fit) ** 2).mean() / denom
         fit_first = float(loss.detach()) if fit_first is None else fit_first
         loss.backward()
-        with torch.no_grad():
-            for k, p in params.items():
-                _, out, g, _ = p.shape
-                grad = torch.zeros_like(p)
-                for i, w in enumerate(ws[k]):
-                    if w.grad is not None:
-                        grad[i].scatter_add_(2, codes[k][i].view(out, g, -1), w.grad.view(out, g, -1))
-                p.grad = grad
+        grads = {k: torch.zeros_like(p) for k, p in params.items()}
+        fit.backward(out.grad, _decoder({k: v.detach() for k, v in params.items()}, codes),  # type: ignore[arg-type]
+                     functools.partial(_to_centroids, grads, codes))  # fmt: skip
+        for k, p in params.items():
+            p.grad = grads[k]
         opt.step()
         fit_last = float(loss.detach()) + kl_weight * kl_const
         with torch.no_grad():
@@ -288,7 +337,6 @@ def finetune(
         err = val_error(params, codes)
         if err < best[0]:
             best = (err, {k: v.detach().clone() for k, v in params.items()}, step)
-    ws = {}  # the last step's decoded weights and gradients: freed before a final reassignment
     for k, p in parts.items():
         p["cents"] = best[1][k]
         if best[2] == 0:

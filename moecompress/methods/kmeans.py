@@ -50,12 +50,16 @@ class SortedRows:
     """Rows ``[N, n]`` sorted once, for many :func:`nearest` calls against changing centroids (CodeQuant's
     reassignment after every fine-tuning step): the sorted values in their dtype and the sorting
     permutation in the narrowest integer type that holds ``n``; :meth:`assign` works ``chunk_values``
-    values at a time."""
+    values at a time. ``code_dtype``: the integer type of the codes :meth:`assign` and :meth:`update`
+    return (``uint8`` holds up to 256 centroids in an eighth of int64's memory)."""
 
-    def __init__(self, values: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> None:
+    def __init__(
+        self, values: torch.Tensor, chunk_values: int = CHUNK_VALUES, code_dtype: torch.dtype = torch.int64
+    ) -> None:
         n_rows, n = values.shape
         idx = torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
         self.step = max(1, chunk_values // max(n, 1))
+        self.code_dtype = code_dtype
         self.sv = torch.empty_like(values)
         self.perm = torch.empty(n_rows, n, dtype=idx, device=values.device)
         for a in range(0, n_rows, self.step):
@@ -63,17 +67,21 @@ class SortedRows:
             self.sv[a : a + self.step], self.perm[a : a + self.step] = sv, perm.to(idx)
 
     @classmethod
-    def presorted(cls, sv: torch.Tensor, perm: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> SortedRows:
+    def presorted(
+        cls, sv: torch.Tensor, perm: torch.Tensor, chunk_values: int = CHUNK_VALUES,
+        code_dtype: torch.dtype = torch.int64,
+    ) -> SortedRows:  # fmt: skip
         """From rows already sorted (``sv``, in the values' dtype) and their permutation ``perm`` (as
         :func:`kmeans_1d` ``keep_sorted`` gives): no second sort."""
         self = cls.__new__(cls)
         self.sv, self.perm, self.step = sv, perm, max(1, chunk_values // max(sv.shape[1], 1))
+        self.code_dtype = code_dtype
         return self
 
     def assign(self, centroids: torch.Tensor) -> torch.Tensor:
-        """``nearest(values, centroids)`` (bit-identical), int64 ``[N, n]``; kept (with the cuts of
-        ``centroids``) for :meth:`update`."""
-        out = torch.empty(self.sv.shape, dtype=torch.int64, device=self.sv.device)
+        """``nearest(values, centroids)`` (bit-identical), ``[N, n]`` of ``code_dtype``; kept (with the
+        cuts of ``centroids``) for :meth:`update`."""
+        out = torch.empty(self.sv.shape, dtype=self.code_dtype, device=self.sv.device)
         for a in range(0, self.sv.shape[0], self.step):
             b = a + self.step
             out[a:b] = assign_sorted(self.sv[a:b], self.perm[a:b].long(), centroids[a:b])
@@ -108,10 +116,11 @@ class SortedRows:
             first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
             pos = lo.flatten().repeat_interleave(lengths) + torch.arange(total, device=lo.device) - first
             rank = (bounds[row] <= pos[:, None]).sum(1)
-            self.codes[row, self.perm[row, pos].long()] = order[row, rank]
+            self.codes[row, self.perm[row, pos].long()] = order[row, rank].to(self.code_dtype)
         redo = whole.nonzero()[:, 0]
         if len(redo):
-            self.codes[redo] = assign_sorted(self.sv[redo], self.perm[redo].long(), centroids[redo])
+            redone = assign_sorted(self.sv[redo], self.perm[redo].long(), centroids[redo])
+            self.codes[redo] = redone.to(self.code_dtype)
         self.bounds, self.order = bounds, order
         return self.codes
 
@@ -181,21 +190,21 @@ def _lloyd(
 
 def kmeans_1d(
     values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42,
-    chunk_values: int = CHUNK_VALUES, keep_sorted: bool = False,
+    chunk_values: int = CHUNK_VALUES, keep_sorted: bool = False, code_dtype: torch.dtype = torch.int64,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, SortedRows]:  # fmt: skip
     """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
     (D² sampling driven by uniforms from a CPU generator seeded with ``seed``, one set per row, so the
     result does not depend on the chunking or the device), then Lloyd iterations, each row until none
     of its centroids moves by more than ``tol`` times the row's range, and a last exact-mean update.
     Rows are processed ``chunk_values // n`` at a time (bounded memory), in float64, on ``values``'
-    device. Returns ``(centroids [N, k] ascending, assignment [N, n] int64)``. A row with at most ``k``
+    device. Returns ``(centroids [N, k] ascending, assignment [N, n] of code_dtype)``. A row with at most ``k``
     distinct values is reproduced exactly. ``keep_sorted``: also return the rows' :class:`SortedRows`
     (the sort the Lloyd steps made, kept in ``values``' dtype: no second sort for a reassignment)."""
     n_rows, n = values.shape
     dev = values.device
     u = torch.rand(k, n_rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
     cents = torch.empty(n_rows, k, dtype=values.dtype, device=dev)
-    codes = torch.empty(n_rows, n, dtype=torch.int64, device=dev)
+    codes = torch.empty(n_rows, n, dtype=code_dtype, device=dev)
     step = max(1, chunk_values // max(n, 1))
     if keep_sorted:
         idx = torch.int16 if n <= torch.iinfo(torch.int16).max else torch.int32
@@ -208,5 +217,5 @@ def kmeans_1d(
         if keep_sorted:  # float64 of float32 values: the cast back is exact
             sv_all[a : a + step], perm_all[a : a + step] = sv, perm.to(idx)
     if keep_sorted:
-        return cents, codes, SortedRows.presorted(sv_all, perm_all, chunk_values)
+        return cents, codes, SortedRows.presorted(sv_all, perm_all, chunk_values, code_dtype)
     return cents, codes

@@ -5,7 +5,8 @@
 - :func:`average_linkage` — HC-SMoE's grouping: average-linkage agglomerative clustering of expert
   feature vectors, some ids kept as singletons (protected experts).
 - :func:`ward_linkage` — usage-weighted Ward clustering (the first-order merge loss; ``linkage: ward``);
-  :func:`ward_costs` its per-merge loss curve and :func:`allocate_merges` a budget spent over layers (exact DP).
+  :func:`ward_costs` its per-merge loss curve (:func:`gram_features`: the same curve from a Gram matrix
+  of the features) and :func:`allocate_merges` a budget spent over layers (exact DP).
 - :func:`linear_assignment` and :func:`align_to` — weight matching: permute a member's intermediate
   neurons to its base's (neuron order in independently trained experts is arbitrary).
 - expert parameters as a small dict of float32 tensors (``gate [I, H]``, ``up [I, H]``, ``down [H, I]``
@@ -205,6 +206,19 @@ def ward_costs(
     return _ward(features, weights, free, 1)[1] if free else []
 
 
+def gram_features(gram: torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` points whose pairwise squared distances are ``g_ii + g_jj − 2 g_ij`` for a Gram matrix
+    ``g = F Fᵀ`` (float64): the centred Gram ``J g J`` factored by its eigendecomposition, negative
+    eigenvalues (round-off) clamped to 0. :func:`ward_costs` / :func:`ward_linkage` see only pairwise
+    distances, so they give on these points what they give on ``F`` itself (to round-off)."""
+    g = gram.detach().double()
+    g = (g + g.T) / 2
+    n = g.shape[0]
+    j = torch.eye(n, dtype=torch.float64) - 1.0 / max(n, 1)
+    lam, u = torch.linalg.eigh(j @ g @ j)
+    return u * lam.clamp_min(0).sqrt()
+
+
 def _ward(
     features: torch.Tensor, weights: torch.Tensor, free: list[int], want: int
 ) -> tuple[list[list[int]], list[float]]:
@@ -267,6 +281,24 @@ def allocate_merges(curves: dict[int, list[float]], merges: int) -> dict[int, in
         done[k] = int(arg[left])
         left -= done[k]
     return {k: done[k] for k in layers}
+
+
+def budget_keep(total: int, ratio: float | None, total_experts: int | None) -> int:
+    """Groups kept over all MoE layers: ``total_experts``, or ``total − round(ratio · total)`` (halves up)."""
+    if ratio is not None:
+        return total - math.floor(ratio * total + 0.5 + 1e-9)
+    return int(total_experts)  # type: ignore[arg-type]
+
+
+def allocate_groups(curves: dict[int, list[float]], experts: dict[int, int], keep: int) -> dict[int, int]:
+    """``{layer: groups}`` keeping ``keep`` groups over the layers (``experts[l]`` each), the merges spent by
+    :func:`allocate_merges`; :class:`MethodError` when the curves cannot reach ``keep``."""
+    total = sum(experts.values())
+    low = total - sum(len(c) for c in curves.values())
+    if not low <= keep <= total:
+        raise MethodError(f"the budget keeps {keep} of {total} experts; the layers allow {low} to {total}")
+    done = allocate_merges(curves, total - keep)
+    return {i: experts[i] - done[i] for i in sorted(curves)}
 
 
 # ------------------------------------------------------------------------------- neuron weight matching

@@ -28,7 +28,7 @@ import math
 import torch
 
 from moecompress.ir import MoELayer
-from moecompress.methods.merging import ward_costs
+from moecompress.methods.merging import gram_features, ward_costs
 from moecompress.reference import expert_forward, route, router_logits
 
 
@@ -128,6 +128,69 @@ def choose_count(layer: MoELayer, x: torch.Tensor) -> tuple[int, dict]:
     return k + e - len(free), {"groups": k + e - len(free), **info}
 
 
+def fit_tokens(n: int) -> int:
+    """How many of ``n`` ``io_sample`` tokens the Ward features use: the first ``AUTO_TOKENS`` of the fit
+    half (the first ``⌈n/2⌉``; all of them when ``n < 2``), as the merging passes split the sample."""
+    return min(AUTO_TOKENS, (n + 1) // 2 if n > 1 else n)
+
+
+GRAM_BLOCK = 16
+"""Tokens per block of :func:`expert_output_gram` (its float64 outputs ``[E, GRAM_BLOCK, H]`` at a time)."""
+
+
+def expert_output_gram(
+    layer: MoELayer, xs: torch.Tensor, grad_cov: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``expert_out_gram`` ``[E, E]`` (float64): ``Σ_t ⟨G^{1/2} E_i(x_t), G^{1/2} E_j(x_t)⟩`` over the tokens
+    ``xs`` (every expert on every token, routed or not), ``G`` = ``grad_cov`` (``out_grad_cov``, negative
+    eigenvalues clamped) or ``I``. Ward's squared distances are ``g_ii + g_jj − 2 g_ij``. Summed over
+    blocks of ``GRAM_BLOCK`` tokens, so the float64 outputs held are ``E · GRAM_BLOCK · H`` values."""
+    bank = layer.experts
+    xs = xs.float()
+    basis = None
+    if grad_cov is not None:
+        lam, u = torch.linalg.eigh((grad_cov.double() + grad_cov.double().T) / 2)
+        basis = u * lam.clamp_min(0).sqrt()  # ‖δ‖² in this basis = δᵀ G δ
+    gram = torch.zeros(bank.num_experts, bank.num_experts, dtype=torch.float64)
+    for a in range(0, len(xs), GRAM_BLOCK):
+        part = xs[a : a + GRAM_BLOCK]
+        outs = torch.stack([expert_forward(bank, i, part).double() for i in range(bank.num_experts)])
+        flat = (outs if basis is None else outs @ basis).flatten(1)
+        gram += flat @ flat.T
+    return gram
+
+
+def route_energy(layer: MoELayer, xs: torch.Tensor) -> float:
+    """``mean_t Σ_k w_tk²`` of the routing weights on ``xs`` (``= top_k · E[w²]``, the loss scale's factor)."""
+    _, w = route(layer, xs.float())
+    return float(w.double().pow(2).sum(1).mean())
+
+
+def gram_curve(
+    gram: torch.Tensor,
+    counts: torch.Tensor,
+    scale: str,
+    tokens: int,
+    energy: float | None = None,
+    protected: frozenset[int] | set[int] = frozenset(),
+) -> list[float]:
+    """The merge-loss curve of :func:`merge_curve` from the layer's ``expert_out_gram`` on ``tokens``
+    tokens (``G``-weighted for ``loss``, with ``energy`` = :func:`route_energy`): Ward
+    (:func:`ward_costs`) on :func:`gram_features`, then the ``scale``'s per-token normalisation."""
+    f = counts.double().flatten().clamp_min(0)
+    f = f / f.sum() if float(f.sum()) > 0 else torch.full_like(f, 1 / len(f))
+    costs = ward_costs(gram_features(gram), f, singletons=protected)
+    if scale == "loss":
+        if energy is None:
+            raise ValueError("scale: loss needs the routing energy (route_energy)")
+        denom = tokens / (0.5 * energy)
+    elif scale == "relative":
+        denom = float((f * gram.double().diagonal()).sum())
+    else:
+        denom = float(tokens)
+    return [c / max(denom, 1e-300) for c in costs]
+
+
 def merge_curve(
     layer: MoELayer,
     x: torch.Tensor,
@@ -145,24 +208,13 @@ def merge_curve(
       (``Σ_i P(i routed) = top_k``) — in loss units, so comparable across layers;
     - ``relative``: divided by the layer's usage-weighted expert output energy on the same tokens,
       ``Σ_i f_i ‖E_i(x)‖²`` (the fraction of what the experts write that a merge loses);
-    - ``absolute``: in squared output units (usage frequencies ``f`` summing to 1)."""
-    bank = layer.experts
+    - ``absolute``: in squared output units (usage frequencies ``f`` summing to 1).
+
+    Computed through the Gram matrix of the outputs (:func:`expert_output_gram`, :func:`gram_curve`),
+    exactly as a merging pass's budget plan computes it from the ``expert_out_gram`` statistics."""
     xs = x[:AUTO_TOKENS].float()
-    outs = torch.stack([expert_forward(bank, i, xs).double() for i in range(bank.num_experts)])  # [E, T, H]
-    f = counts.double().flatten().clamp_min(0)
-    f = f / f.sum() if float(f.sum()) > 0 else torch.full_like(f, 1 / len(f))
-    if scale == "loss":
-        if grad_cov is None:
-            raise ValueError("scale: loss needs the output-gradient covariance (out_grad_cov)")
-        lam, u = torch.linalg.eigh((grad_cov.double() + grad_cov.double().T) / 2)
-        outs = outs @ (u * lam.clamp_min(0).sqrt())  # ‖δ‖² in this basis = δᵀ G δ
-        _, w = route(layer, xs)
-        factor = 0.5 * float(w.double().pow(2).sum(1).mean())  # = ½ · top_k · E[w²]
-    costs = ward_costs(outs.flatten(1), f, singletons=layer.protected)
-    if scale == "loss":
-        denom = len(xs) / factor
-    elif scale == "relative":
-        denom = float((f * outs.flatten(1).pow(2).sum(1)).sum())
-    else:
-        denom = float(len(xs))
-    return [c / max(denom, 1e-300) for c in costs]
+    if scale == "loss" and grad_cov is None:
+        raise ValueError("scale: loss needs the output-gradient covariance (out_grad_cov)")
+    gram = expert_output_gram(layer, xs, grad_cov if scale == "loss" else None)
+    energy = route_energy(layer, xs) if scale == "loss" else None
+    return gram_curve(gram, counts, scale, len(xs), energy, layer.protected)

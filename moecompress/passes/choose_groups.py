@@ -7,15 +7,18 @@ expert's outputs on the first 64 fit tokens of ``io_sample``, protected experts 
 to one group and the cost of every merge is recorded (:func:`~moecompress.methods.mixture.merge_curve`):
 the increase of ``Σ_g Σ_{i∈g} f_i ‖E_i(x) − Ē_g(x)‖²``, the first-order loss of replacing each group by
 its usage-weighted average, divided by the layer's usage-weighted expert output energy on the same
-tokens (``scale: relative``; ``absolute`` keeps squared output units). The budget's merges are then
-spent greedily on the globally cheapest next merge (:func:`~moecompress.methods.merging.allocate_merges`;
-optimal for non-decreasing curves). The summary's ``target_experts`` (``{layer: groups}``) is the
-allocation, to be given to ``namex`` / ``merge_experts`` (``target_experts: {layer: groups}``): their
-groups are then exactly the Ward groups the curve was computed on.
+tokens (``scale: relative``; ``absolute`` keeps squared output units; ``loss``, the default, is the Fisher
+estimate with ``G = out_grad_cov``). The budget's merges are then spent by an exact dynamic programme over
+layers (:func:`~moecompress.methods.merging.allocate_merges`). The summary's ``target_experts``
+(``{layer: groups}``) is the allocation, to be given to ``namex`` / ``merge_experts``
+(``target_experts: {layer: groups}``): their groups are then exactly the Ward groups the curve was
+computed on.
 
-Why a report and not a one-step ``target_experts: auto`` with a budget: the allocation needs every
-layer's curve, the curves need the experts' weights, and a step's cross-layer ``plan`` sees statistics
-only (docs/analysis.md names the statistic that would make it one step).
+The same budget in one step: ``namex: {target_experts: {ratio: 0.5}}`` (or ``merge_experts``) computes
+this allocation in its cross-layer plan from the ``expert_out_gram`` statistics (Ward needs only the
+pairwise distances of the outputs); both go through :func:`~moecompress.methods.mixture.gram_curve`, so
+the counts are the same. This step remains the report (curves, predicted cost, BIC clusters) and the only
+way to ``curve: merged``.
 
 **Clusters** (as before): a tied isotropic Gaussian mixture over the unprotected experts' features (their
 outputs and centred router-logit columns, reduced to principal dimensions), ``K`` by BIC
@@ -33,16 +36,15 @@ Example step::
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
-from moecompress.errors import PassError
+from moecompress.errors import MethodError, PassError
 from moecompress.ir import MoELayer
-from moecompress.methods.merging import allocate_merges
+from moecompress.methods.merging import allocate_groups, budget_keep
 from moecompress.methods.mixture import choose_count, merge_curve
 from moecompress.passes.merge_experts import MergeExpertsConfig, merge_experts
 from moecompress.reference import moe_forward
@@ -140,15 +142,14 @@ def _summarize(infos: dict[int, dict], cfg: ChooseGroupsConfig) -> dict:
                      "experts": {str(i): infos[i]["experts"] for i in layers}}  # fmt: skip
     total = sum(infos[i]["experts"] for i in layers)
     if _budgeted(cfg):
-        keep = (
-            total - math.floor(cfg.ratio * total + 0.5 + 1e-9) if cfg.ratio is not None else cfg.total_experts
-        )
+        keep = budget_keep(total, cfg.ratio, cfg.total_experts)
         curves = {i: infos[i]["merge_costs"] for i in layers}
-        low = total - sum(len(c) for c in curves.values())
-        if not low <= keep <= total:  # type: ignore[operator]
-            raise PassError(f"the budget keeps {keep} of {total} experts; the layers allow {low} to {total}")
-        done = allocate_merges(curves, total - keep)  # type: ignore[operator]
-        summary["target_experts"] = {str(i): infos[i]["experts"] - done[i] for i in layers}
+        try:
+            groups = allocate_groups(curves, {i: infos[i]["experts"] for i in layers}, keep)
+        except MethodError as err:
+            raise PassError(str(err)) from None
+        done = {i: infos[i]["experts"] - groups[i] for i in layers}
+        summary["target_experts"] = {str(i): groups[i] for i in layers}
         summary["experts_kept"] = keep
         summary["experts_total"] = total
         summary["predicted_cost"] = {str(i): sum(curves[i][: done[i]]) for i in layers}

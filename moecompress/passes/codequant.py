@@ -40,9 +40,10 @@ must be dense or uniformly pruned (quantise last; prune with ``layout: uniform``
 Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
 than 512 tokens). Cost per layer: the rotation (``rotation_steps`` Cayley steps, one ``H × H`` LU each), k-means
 of every row (``E·(2I + H)`` rows, sorted once: the sort also serves every reassignment), and per
-fine-tuning step the quantised experts' forward and backward on their own routed tokens only (the routing,
-the rotated input and the protected experts' output are computed once, the gradient of each expert's
-decoded weights is scattered into its centroids), an incremental reassignment (only the weights between
+fine-tuning step the quantised experts' forward (no gradient), then each expert's forward and backward
+on its own routed tokens given the block's output gradient (the routing, the rotated input and the
+protected experts' output are computed once; one expert's decoded weights and gradient are alive at a
+time, and the gradient is scattered into its centroids; codes are ``uint8``), an incremental reassignment (only the weights between
 a cluster cut's old and new position move) and a validation forward. At the peer benchmark's shapes
 (64 experts, H 1024, I 512, 384 + 128 tokens) a step costs about 2 CPU s instead of more than 17.
 
@@ -218,23 +219,30 @@ def _emits(layer: MoELayer, cfg: CodequantConfig) -> MoELayer:
     return layer.replace(experts=bank, shared=shared)
 
 
-WORKSPACE_BYTES_PER_WEIGHT = 38
+WORKSPACE_BYTES_PER_WEIGHT = 12
 """What :func:`codequant` holds per quantised weight while it fine-tunes (every target projection at
-once): the float32 weights (4 bytes), the k-means int64 codes (8, kept for a run whose best step is the
-first), the sorted reassignment rows (float32 values and int16 positions: 6), the working int64 codes
-(8, updated in place), the decoded float32 weights of the fit forward and their gradient (4 + 4), the
-decoded weights of the validation forward (4). The rotated gate/up copy (layer dtype) and the k-means
-chunk (:data:`~moecompress.methods.kmeans.CHUNK_VALUES` values, about 10 float64 copies) come on top."""
+once): the float32 weights (4 bytes), the k-means codes (1, ``uint8``; kept for a run whose best step is
+the first), the sorted reassignment rows (float32 values and int16 positions: 6), the working codes (1,
+updated in place). The fit and validation forwards decode one expert at a time, and the gradient is taken
+one expert at a time (:meth:`~moecompress.methods.codebooks._Blocks.backward`): :data:`EXPERT_BYTES_PER_WEIGHT`
+per weight of the largest expert. The rotated gate/up copy (layer dtype) and the k-means chunk
+(:data:`~moecompress.methods.kmeans.CHUNK_VALUES` values, about 10 float64 copies) come on top."""
+
+EXPERT_BYTES_PER_WEIGHT = 24
+"""One expert's transient workspace per weight: its decoded float32 weights, their gradient, the int64
+index of the decode and of the gradient's scatter (4 + 4 + 8 + 8)."""
 
 
 def _workspace(layer: MoELayer, cfg: CodequantConfig) -> int:
     """Bytes :func:`codequant` allocates on ``layer`` beyond its input and output (the dry run's estimate):
-    :data:`WORKSPACE_BYTES_PER_WEIGHT` per quantised weight, and the rotated gate/up (in the layer's dtype)."""
-    weights = sum(math.prod(getattr(getattr(layer, b), n).shape) for b, n in _targets(layer, cfg))
+    :data:`WORKSPACE_BYTES_PER_WEIGHT` per quantised weight, one expert's :data:`EXPERT_BYTES_PER_WEIGHT`,
+    and the rotated gate/up (in the layer's dtype)."""
+    targets = [math.prod(getattr(getattr(layer, b), n).shape) for b, n in _targets(layer, cfg)]
     bank = layer.experts
     rotated = 0 if cfg.rotation == "none" else bank.gate.nbytes() + bank.up.nbytes()
-    per_weight = WORKSPACE_BYTES_PER_WEIGHT if cfg.finetune_steps else 12  # k-means only: weights, codes
-    return per_weight * weights + rotated + 10 * 8 * CHUNK_VALUES
+    per_weight = WORKSPACE_BYTES_PER_WEIGHT if cfg.finetune_steps else 5  # k-means only: weights, codes
+    one_expert = 3 * max(targets, default=0) // max(bank.num_experts, 1)
+    return per_weight * sum(targets) + EXPERT_BYTES_PER_WEIGHT * one_expert + rotated + 10 * 8 * CHUNK_VALUES
 
 
 def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple[MoELayer, dict]:

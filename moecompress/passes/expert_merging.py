@@ -7,7 +7,12 @@ members become one expert.
 total budget ``choose_groups {ratio}`` reports; unlisted layers keep every expert) — exactly one. ``target_experts: auto``
 (``router: remap`` only) chooses the count per layer with a Gaussian mixture over expert features
 (``choose_count``, :mod:`moecompress.methods.mixture`); the dry run shows every expert kept (an upper
-bound on the bytes). Protected (super)
+bound on the bytes). ``target_experts: {ratio: r}`` (fraction of all routed experts removed over the model)
+or ``{total_experts: N}`` (groups kept over all MoE layers), with ``scale`` (``loss``, default;
+``relative``; ``absolute``): a total budget spent over layers in the step's cross-layer plan, exactly as
+``choose_groups {ratio}`` spends it (:func:`~moecompress.passes.merge_budget.plan_budget`: Ward merge
+curves from the ``expert_out_gram`` statistics through :func:`~moecompress.methods.mixture.gram_curve`, the function ``choose_groups`` uses,
+and the exact allocation), in one run; the dry run shows every expert kept. Protected (super)
 experts are singleton groups and count toward the groups kept.
 
 **Tokens.** ``io_sample`` holds the first ``calibration.sample_tokens`` MoE inputs. Its first half
@@ -59,23 +64,30 @@ from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.dense import Dense
-from moecompress.methods.merging import Params, align_to, average_linkage, expert_params, ward_linkage
+from moecompress.methods.merging import (
+    Params,
+    align_to,
+    average_linkage,
+    expert_params,
+    ward_linkage,
+)
 from moecompress.methods.metrics import relative_error
 from moecompress.methods.mixture import AUTO_TOKENS, choose_count
+from moecompress.passes.merge_budget import MergeBudget, budget_needs
 from moecompress.reference import expert_forward, moe_forward, route, router_logits
 
 NEEDS = {"expert_counts", "io_sample"}
 PROJ = ("gate", "up", "down")
 
-
 class MergeOptions(PassConfig):
     """Options shared by the merging passes."""
 
     ratio: float | None = Field(None, ge=0, lt=1, description="fraction of routed experts removed per layer")
-    target_experts: int | Literal["auto"] | dict[int, int] | None = Field(
+    target_experts: int | Literal["auto"] | MergeBudget | dict[int, int] | None = Field(
         None,
         description="groups (physical experts) kept per layer; {layer: groups} per layer (the budgeted "
-        "allocation choose_groups reports); auto: BIC's count per layer (no budget)",
+        "allocation choose_groups reports); {ratio: r} or {total_experts: N}: a total budget spent over "
+        "layers in this step; auto: BIC's count per layer (no budget)",
     )
     similarity: Literal["output", "output_tokens", "router", "weight"] = Field(
         "output_tokens",
@@ -109,6 +121,9 @@ class MergeOptions(PassConfig):
         if self.router == "collapse" and isinstance(t, dict) and len(set(t.values())) > 1:
             raise ValueError("router: collapse needs the same count in every layer; use router: remap with "
                              "per-layer target_experts")  # fmt: skip
+        if isinstance(t, MergeBudget) and self.router == "collapse":
+            raise ValueError("a target_experts budget spends a different count per layer, but router: collapse "
+                             "needs the same count in every layer; use router: remap")  # fmt: skip
         if self.target_experts == "auto" and self.router == "collapse":
             raise ValueError(
                 "target_experts: auto chooses a different count per layer, but router: collapse needs the same "
@@ -118,13 +133,26 @@ class MergeOptions(PassConfig):
 
 
 def _what(cfg: MergeOptions) -> str:
-    return f"ratio={cfg.ratio}" if cfg.ratio is not None else f"target_experts={cfg.target_experts}"
+    t = cfg.target_experts
+    if isinstance(t, MergeBudget):
+        return f"target_experts={t.model_dump(exclude_none=True)}"
+    return f"ratio={cfg.ratio}" if cfg.ratio is not None else f"target_experts={t}"
+
+
+def chosen_later(cfg: MergeOptions) -> bool:
+    """The count is decided after the dry run (``auto``, or a budget's plan)."""
+    return cfg.target_experts == "auto" or isinstance(cfg.target_experts, MergeBudget)
+
+
+def merge_needs(cfg: MergeOptions) -> set[str]:
+    """The statistics a merging step needs: a budget adds :func:`budget_needs`."""
+    return NEEDS | budget_needs(cfg.target_experts)
 
 
 def target_groups(num_experts: int, cfg: MergeOptions, index: int | None = None) -> int:
     """Groups kept in MoE layer ``index``; for ``target_experts: auto`` the upper bound ``num_experts``
     (chosen in :func:`plan_merge`); a layer a ``{layer: groups}`` mapping does not list keeps every expert."""
-    if cfg.target_experts == "auto":
+    if chosen_later(cfg):
         return num_experts
     if isinstance(cfg.target_experts, dict):
         return cfg.target_experts.get(index, num_experts) if index is not None else num_experts
@@ -200,7 +228,7 @@ def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
     new ids, is decided by the grouping: the ids here are placeholders, the count is right)."""
     bank, e = layer.experts, layer.router.num_experts
     t = target_groups(e, cfg, layer.index)
-    if t == e and cfg.target_experts != "auto":
+    if t == e and not chosen_later(cfg):
         return layer
     lays = {p: Dense.meta_like(t, *getattr(bank, p).shape[1:], getattr(bank, p).dtype) for p in PROJ}
     biases = {k: meta_tensor(t, *b.shape[1:], dtype=b.dtype) for k, b in bank.biases.items()}
@@ -376,6 +404,11 @@ def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePl
     auto = None
     if cfg.target_experts == "auto":
         t, auto = choose_count(layer, x_fit)
+    elif isinstance(cfg.target_experts, MergeBudget):
+        t = stats.plan if stats.plan is not None else e
+        if not 1 <= t <= e:
+            raise PassError(f"{_what(cfg)}: the plan keeps {t} of the layer's {e} experts")
+        auto = {"budget": cfg.target_experts.model_dump(exclude_none=True), "groups": t}
     feats = _features(layer, x_fit, cfg.similarity) if t < e else torch.zeros(e, 1)
     groups: list[list[int]] = []
     bl = blocks(layer, cfg)
@@ -423,6 +456,7 @@ def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:
             "experts_before": before,
             "experts_after": after,
             "experts_per_layer": infos[layers[0]]["num_experts_after"] if layers else None,
+            "groups_per_layer": {str(i): infos[i]["num_experts_after"] for i in layers},
             "fraction_removed": 1 - after / before if before else 0.0,
             "routed_params_before": pb,
             "routed_params_after": pa,

@@ -11,13 +11,16 @@ merge losslessly), with
   ``i`` (``expert_counts``; uniform if none): M-SMoE/HC-SMoE usage-weighted merging. With ``align``
   (default) this is MC-SMoE's merge step (weight matching, then frequency merging).
 
-Statistics: ``expert_counts``, ``io_sample`` (grouping features and the held-back error of the report).
+Statistics: ``expert_counts``, ``io_sample`` (grouping features and the held-back error of the report); a
+budget (``target_experts: {ratio: r}``) adds ``expert_out_gram`` and, for ``scale: loss``,
+``expert_out_gram_fisher`` (a backward).
 Cost: negligible beyond the grouping and the alignment.
 
 Example step::
 
     steps:
       - merge_experts: {ratio: 0.25, method: frequency, router: collapse}
+      # or one budget over all layers: merge_experts: {target_experts: {total_experts: 12}}
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
     check_mergeable,
+    chosen_later,
+    merge_needs,
     merged_shape,
     plan_merge,
     summarize_merging,
 )
+from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
 
 
 class MergeExpertsConfig(MergeOptions):
@@ -69,6 +75,14 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 
 
 SPEC = PassSpec(
-    "merge_experts", MergeExpertsConfig, merge_experts, needs=NEEDS, emits=merged_shape, check=check_mergeable,
+    "merge_experts",
+    MergeExpertsConfig,
+    merge_experts,
+    needs=NEEDS | GRAM_NEEDS,
+    emits=merged_shape,
+    check=check_mergeable,
+    needs_fn=merge_needs,
+    plan=plan_budget,
+    plans=chosen_later,
     summarize=_summarize,
 )

@@ -35,8 +35,9 @@ Experts with Nash Bargaining", ICLR 2026, arXiv 2510.16138), a training-time SMo
    checkpoint, one router row per group); see :mod:`moecompress.passes.expert_merging`.
 
 Statistics: ``expert_counts``, ``io_sample`` (``calibration.sample_tokens`` MoE inputs; half fit,
-half held back). Cost: one Newton solve on a ``(|C|−1)²`` Gram per group, ``|gamma_grid|`` expert
-forwards per group, ``2·refine_steps`` forward+backward passes per group when refining, an
+half held back); a budget (``target_experts: {ratio: r}``, spent over layers in the step's plan) adds
+``expert_out_gram`` and, for its default ``scale: loss``, ``expert_out_gram_fisher`` (a backward).
+Cost: one Newton solve on a ``(|C|−1)²`` Gram per group, ``|gamma_grid|`` expert forwards per group, ``2·refine_steps`` forward+backward passes per group when refining, an
 ``O(I³)`` assignment per aligned member.
 
 Example step::
@@ -44,6 +45,7 @@ Example step::
     steps:
       - protect_super_experts: {}
       - namex: {ratio: 0.25, router: remap}
+      # or one budget over all layers: namex: {target_experts: {ratio: 0.5}}
 """
 
 from __future__ import annotations
@@ -62,10 +64,13 @@ from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
     check_mergeable,
+    chosen_later,
+    merge_needs,
     merged_shape,
     plan_merge,
     summarize_merging,
 )
+from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
@@ -73,7 +78,9 @@ GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 class NamexConfig(MergeOptions):
     gamma_grid: tuple[float, ...] = Field(GRID, min_length=1, description="candidates for γ/γ₀ (per group)")
     refine_steps: int = Field(
-        10, ge=0, description="gradient steps on each merged expert (0: none; kept only if it helps held-back)"
+        10,
+        ge=0,
+        description="gradient steps on each merged expert (0: none; kept only if it helps held-back)",
     )
     lr: float = Field(0.01, gt=0, le=1, description="refinement step, relative to the weights' norm")
     momentum: float = Field(0.8, ge=0, lt=1, description="|β| of the complex momentum")
@@ -217,6 +224,14 @@ def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
 
 
 SPEC = PassSpec(
-    "namex", NamexConfig, namex, needs=NEEDS, emits=merged_shape, check=check_mergeable,
+    "namex",
+    NamexConfig,
+    namex,
+    needs=NEEDS | GRAM_NEEDS,
+    emits=merged_shape,
+    check=check_mergeable,
+    needs_fn=merge_needs,
+    plan=plan_budget,
+    plans=chosen_later,
     summarize=lambda i, c: _summarize(i, c),
 )

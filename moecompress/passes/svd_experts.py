@@ -50,7 +50,7 @@ from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.lowrank import LowRank
 from moecompress.layouts.ragged import Ragged
-from moecompress.methods.svd import factorize, rank_split
+from moecompress.methods.svd import factorize, factorize_workspace, rank_split
 from moecompress.methods.whitening import ALL_NEEDS, projection_whiteners, whitening_needs
 
 PROJ = ("gate", "up", "down")
@@ -113,6 +113,16 @@ def _emits(layer: MoELayer, cfg: SvdExpertsConfig) -> MoELayer:
         lays.append(LowRank.meta_like(e, out, inn, factorised=todo, total_rank=total, dtype=lay.dtype))
     return layer.replace(experts=ExpertBank(*lays, widths=bank.widths, biases=bank.biases, act=bank.act,
                                             alpha=bank.alpha, limit=bank.limit))  # fmt: skip
+
+
+def _workspace(layer: MoELayer, cfg: SvdExpertsConfig) -> int:
+    """Bytes beyond the input and output (the dry run's estimate): one projection's routed experts copied
+    (``w[todo]``) and :func:`~moecompress.methods.svd.factorize`'s float64 chunk workspace, for the largest
+    projection (one projection is factorised at a time)."""
+    bank = layer.experts
+    sizes = [getattr(bank, n).shape for n in PROJ]
+    copy = max(getattr(bank, n).nbytes() for n in PROJ)
+    return copy + max(factorize_workspace(out, inn, e) for e, out, inn in sizes)
 
 
 def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[MoELayer, dict]:
@@ -187,5 +197,5 @@ def summarize_svd(infos: dict[int, dict], cfg: SvdExpertsConfig) -> dict:
 SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
-    on_device=True,
+    on_device=True, workspace=_workspace,
 )  # fmt: skip

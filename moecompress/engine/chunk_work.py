@@ -1,0 +1,283 @@
+"""The work of one chunk of experts of an MoE layer held by chunks, apart from what is done with it.
+
+:func:`prepare` is the layer's part every rank repeats (cheap and deterministic): the shell, the
+``select`` steps on it, the output kinds, the routing of the held-back tokens. :func:`chunk_parts` is a
+chunk's own work (reading and dequantising its experts, every step on them, their contribution to the
+reconstruction error, the encoding of every written step's tensors); it yields :class:`ErrPart` and
+:class:`StepPart` values, which :mod:`moecompress.engine.chunk_loop` consumes in chunk order (the
+accumulation, the writers, the report). In one process a chunk's parts are consumed as they are
+yielded; under ``torchrun`` the chunk may be worked by another rank and its parts sent to rank 0
+(:mod:`moecompress.engine.expert_shard`). The maths of a chunk is the same either way, so the bytes are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moecompress.calibration.cache import load_layer
+from moecompress.engine import chunks
+from moecompress.engine.context import RunContext
+from moecompress.engine.protection import RENUMBER_KEY, TopActivation
+from moecompress.engine.steps import run_step, step_stats
+from moecompress.errors import MoecompressError, PassError
+from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.format import encode_bank, is_stock
+from moecompress.ir import ExpertBank, MoELayer, cast_layer, layer_to
+from moecompress.layouts import LAYOUTS
+from moecompress.reference import expert_forward, experts_forward, route
+
+
+@dataclass
+class ErrPart:
+    """One chunk's addition to state ``state``'s routed sum on the held-back tokens (0: the original
+    layer, ``s + 1``: after step ``s``) and the largest |expert output| it saw."""
+
+    state: int
+    acc: torch.Tensor
+    top: float
+
+
+@dataclass
+class StepPart:
+    """Step ``s`` on one chunk: its output bank's :func:`skeleton` (``None``: the chunk lost every expert),
+    the id of its first expert in the step's output, an ``expert`` step's ``info``, ``bound`` and whether it
+    changed the chunk, the seconds, and for a written step the encoded tensors (:func:`encode_chunk`)."""
+
+    s: int
+    g0: int
+    skeleton: ExpertBank | None
+    secs: float
+    info: dict | None = None
+    bound: tuple[int, int] | None = None
+    changed: bool = False
+    stock: bool | None = None
+    writes: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class LayerPlan:
+    """What :func:`prepare` decides for MoE layer ``idx``: ``shells[s]`` is the layer before step ``s``
+    (experts on ``meta``), ``kept_of[s]`` a ``select`` step's kept experts, ``kinds[s]`` an ``expert``
+    step's output kind, ``infos`` the ``select`` steps' infos, ``secs`` their seconds."""
+
+    idx: int
+    steps: list
+    ckpt: Checkpoint
+    ctx: RunContext
+    stats: dict
+    plans: list
+    shells: list[MoELayer]
+    kept_of: list
+    kinds: list
+    infos: dict[int, dict]
+    secs: list[float]
+    err: Errors | None
+
+
+def skeleton(bank: ExpertBank) -> ExpertBank:
+    """``bank`` on the ``meta`` device but for its small index vectors (what joining chunks needs)."""
+
+    def light(t: torch.Tensor) -> torch.Tensor:
+        return (
+            t.to("cpu") if t.dim() == 1 and not t.is_floating_point() else torch.empty_like(t, device="meta")
+        )
+
+    lays = [LAYOUTS[lay.kind].from_tensors({k: light(t) for k, t in lay.tensors().items()}, lay.meta())
+            for lay in (bank.gate, bank.up, bank.down)]  # fmt: skip
+    return ExpertBank(
+        *lays, widths=None if bank.widths is None else bank.widths.to("cpu"),
+        biases={k: light(v) for k, v in bank.biases.items()}, act=bank.act, alpha=bank.alpha, limit=bank.limit,
+    )  # fmt: skip
+
+
+def _shell_step(step, shell: MoELayer, st) -> tuple[MoELayer, dict]:
+    """A ``select`` step on the layer's shell, with errors naming the step and the layer."""
+    try:
+        new, info = step.spec.fn(shell, st, step.config)
+    except MoecompressError as err:
+        raise PassError(f"{step.label}, layer {shell.index}: {err}") from None
+    if step.spec.report_only:
+        return shell, info
+    kept = info.get(RENUMBER_KEY)
+    gone = sorted(p for p in shell.protected if kept is not None and p not in set(kept))
+    if gone:
+        raise PassError(f"{step.label}, layer {shell.index}: protected expert {gone[0]} was removed")
+    return new, info
+
+
+def _bank_to(bank: ExpertBank, dev) -> ExpertBank:
+    return dataclasses.replace(
+        bank, gate=bank.gate.to(dev), up=bank.up.to(dev), down=bank.down.to(dev),
+        widths=None if bank.widths is None else bank.widths.to(dev), biases={k: v.to(dev) for k, v in bank.biases.items()},
+    )  # fmt: skip
+
+
+def _router_part(shell: MoELayer, dev, dtype) -> MoELayer:
+    """The shell in the compute dtype with its router and shared expert on ``dev`` (experts stay ``meta``)."""
+    cast = cast_layer(shell, dtype)
+
+    def t(x):
+        return None if x is None else x.to(dev)
+
+    shared = None if cast.shared is None else _bank_to(cast.shared, dev)
+    return cast.replace(router_weight=t(cast.router_weight), router_bias=t(cast.router_bias),
+                        score_bias=t(cast.score_bias), shared=shared, shared_gate=t(cast.shared_gate))  # fmt: skip
+
+
+class Errors:
+    """Per state (0: the original layer, s + 1: after step s) the routing of the held-back tokens, the
+    routed experts' running sum over chunks and the top activation. :meth:`part` is a chunk's share (on
+    any rank), :meth:`add` adds it in chunk order (rank 0)."""
+
+    def __init__(self, shells: list[MoELayer], hx: torch.Tensor, dev, dtype) -> None:
+        self.hx, self.dev, self.dtype = hx, dev, dtype
+        cache: dict[int, tuple] = {}
+        self.shells = [_router_part(s, dev, dtype) for s in shells]
+        self.routes = []
+        for s, cast in zip(shells, self.shells):
+            if id(s) not in cache:
+                cache[id(s)] = route(cast, hx)
+            self.routes.append(cache[id(s)])
+        self.acc = [torch.zeros(hx.shape, dtype=torch.float32, device=dev) for _ in shells]
+        self.tops = [TopActivation() for _ in shells]
+
+    def part(self, state: int, bank: ExpertBank, start: int) -> ErrPart:
+        ids, w = self.routes[state]
+        n = bank.num_experts
+        local = torch.where((ids >= start) & (ids < start + n), ids - start, torch.full_like(ids, n))
+        b = cast_layer(
+            layer_to(chunks.sub_layer(self.shells[state], bank, start), self.dev), self.dtype
+        ).experts
+        # (the sub-layer holds the state's router rows and shared expert, already on the device)
+        top = TopActivation()
+        return ErrPart(state, experts_forward(b, self.hx, local, w, None, top), top.value)
+
+    def add(self, part: ErrPart) -> None:
+        self.acc[part.state] += part.acc.to(self.dev)
+        top = self.tops[part.state]
+        top.value = max(top.value, part.top)
+
+    def output(self, state: int) -> torch.Tensor:
+        """The state's block output: the routed sum plus the shared expert (as ``reference.moe_forward``)."""
+        layer, out, top = self.shells[state], self.acc[state], self.tops[state]
+        if layer.shared is not None:
+            seen: list[torch.Tensor] = []
+            s = expert_forward(layer.shared, 0, self.hx, seen.append)
+            top.on_shared(seen[0], s)
+            s = s.float()
+            if layer.shared_gate is not None:
+                s = s * torch.sigmoid(F.linear(self.hx.float(), layer.shared_gate.float()))
+            out = out + s
+        return out.to(self.hx.dtype)
+
+
+def prepare(
+    ckpt: Checkpoint, steps: list, entry: Path | None, plans: list[Any], ctx: RunContext, idx: int
+) -> LayerPlan:
+    """The layer's part of an expert-chunked run (module docstring); ``plans[s]``: step ``s``'s decision."""
+    dev, host = torch.device(ctx.device), torch.device("cpu")
+    shell0 = ckpt.read_layer_shell(idx)
+    stats = {host: load_layer(entry, idx) if entry is not None else {}}
+    if dev != host:
+        stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
+    secs = [0.0] * len(steps)
+    shells, kept_of, kinds, infos = [shell0], [], [], {}
+    for s, step in enumerate(steps):  # the selections, once per layer, on the shell
+        mode = step.spec.chunking
+        if mode is None:
+            raise PassError(
+                f"{step.label}, layer {idx}: the step needs every expert at once; use expert_chunk: off"
+            )
+        t0 = time.perf_counter()
+        st = step_stats(step, idx, stats[host], plan=plans[s])
+        if mode.mode == "select":
+            new, infos[s] = _shell_step(step, shells[-1], st)
+            kept_of.append(infos[s].get(RENUMBER_KEY) if new is not shells[-1] else None)
+            kinds.append(None)
+        else:
+            new = shells[-1]
+            kept_of.append(None)
+            kinds.append(mode.kind(shells[-1], st, step.config) if mode.kind is not None else None)
+        secs[s] += time.perf_counter() - t0
+        shells.append(new)
+    hx = stats[dev].get("holdout_x")
+    err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
+    return LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err)
+
+
+def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[ErrPart | StepPart]:
+    """Experts ``[a, b)`` of the layer through every step (module docstring); ``written``: the steps whose
+    tensors are encoded here."""
+    idx, steps = lp.idx, lp.steps
+    dev, host = torch.device(lp.ctx.device), torch.device("cpu")
+    cur: MoELayer | None = chunks.sub_layer(lp.shells[0], lp.ckpt.read_experts(idx, a, b), a)
+    g0 = a
+    if lp.err is not None:
+        yield lp.err.part(0, cur.experts, g0)
+    for s, step in enumerate(steps):
+        if cur is None:
+            break
+        t0 = time.perf_counter()
+        info, bound, changed = None, None, False
+        if step.spec.chunking.mode == "select":
+            local, g0 = chunks.selected(lp.kept_of[s], g0, g0 + cur.experts.num_experts)
+            bank = (
+                cur.experts if lp.kept_of[s] is None else chunks.take(cur.experts, local) if local else None
+            )
+            new = None if bank is None else chunks.sub_layer(lp.shells[s + 1], bank, g0)
+        else:
+            where = dev if step.spec.on_device else host
+            cur = layer_to(cur, where)
+            n, e_s = cur.experts.num_experts, lp.shells[s].router.num_experts
+            st = step_stats(step, idx, chunks.slice_stats(lp.stats[where], e_s, g0, g0 + n),
+                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
+            new, info = run_step(step, cur, st)
+            new = chunks.as_kind(cur, new, lp.kinds[s])
+            if new.router_weight is not cur.router_weight or new.shared is not cur.shared:
+                raise PassError(f"{step.label}, layer {idx}: the step changed the router or the shared expert, "
+                                "which a layer held by chunks of experts cannot follow; use expert_chunk: off")  # fmt: skip
+            changed, bound = new is not cur, (g0, g0 + n)
+        part = StepPart(s, g0, None, time.perf_counter() - t0, info, bound, changed)
+        if new is not None:
+            part.skeleton = skeleton(new.experts)
+            if lp.err is not None:
+                yield lp.err.part(s + 1, new.experts, g0)
+            if s in written:
+                part.stock, part.writes = encode_chunk(lp.ckpt, idx, layer_to(new, host), g0)
+        yield part
+        del part
+        cur = new
+
+
+def encode_chunk(
+    ckpt: Checkpoint, idx: int, out: MoELayer, g0: int
+) -> tuple[bool, list[tuple[str, str, torch.Tensor]]]:
+    """One chunk's routed experts of a written step, as ``(stock, [(how, name, tensor)])``: ``how`` is
+    ``add`` for per-expert names under their ids in the layer, ``append`` for segments of fused ``[E, ...]``
+    tensors; index vectors and the router come with the whole layer."""
+    ad = ckpt.adapter
+    mode = is_stock(out, ad)
+    if mode:
+        skip = set(ad.router_keys(idx))
+        tensors = ad.layer_tensors(out)
+    else:
+        skip, tensors = set(), {}
+        encode_bank(out.experts, ad.experts_key(idx), tensors)
+    writes = []
+    for name, t in tensors.items():
+        if name in skip or (t.dim() == 1 and not t.is_floating_point()):
+            continue
+        e = ad.expert_of(name)
+        if mode and e is not None:
+            writes.append(("add", ad.renumber_key(name, e + g0), t))
+        else:
+            writes.append(("append", name, t))
+    return mode, writes
