@@ -13,8 +13,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moecompress.calibration import CalibrationError, load_token_ids, source_fingerprint, sources
+from moecompress.calibration import sources
 from moecompress.calibration.builtin_text import builtin_texts
+from moecompress.calibration.sources import CalibrationError, load_token_ids, source_fingerprint
 from moecompress.errors import MissingExtraError, MoecompressError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
