@@ -362,3 +362,24 @@ def test_logical_view_answers_the_reader_api(ckpts, fmt):
     assert not set(behind[1:]) & set(ckpt.reader.keys)
     report = inspect_checkpoint(made[fmt])  # headers and light reads only, through the same view
     assert [row["layer"] for row in report["layers"]] == ckpt.moe_layer_indices
+
+
+def test_mxfp4_output_loads_offline_on_the_cpu_with_the_dequantised_logits(ckpts, tmp_path, monkeypatch):
+    """transformers runs MXFP4 experts through a Hub kernel it downloads; offline and on a CPU ``load``
+    dequantises them instead, and the logits equal those of a stock dense copy of the same weights."""
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    made, _ = ckpts
+    out = tmp_path / "pruned"
+    rec = {"model": str(made["mxfp4"]), "output": str(out), "steps": [{"expert_prune": {"ratio": 0.25, "method": "frequency"}}],
+           "calibration": {"source": "random", "samples": 4, "seq_len": 8}}  # fmt: skip
+    mc.apply(rec, progress=False)
+    ckpt = mc.open_checkpoint(out)
+    dense = AutoModelForCausalLM.from_pretrained(str(_dense_copy(ckpt, tmp_path / "dense"))).eval()
+    model = mc.load(out)
+    ids = torch.randint(0, ckpt.raw_config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = dense(input_ids=ids).logits, model(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= TOL

@@ -80,7 +80,10 @@ def test_stability_maps_removed_experts_back_to_the_base_columns():
     )  # fmt: skip
     info = _run(pruned, stats_layer=base, epsilons=(0.0,))
     s = info["stability"]
-    assert s["experts_compared"] == len(keep) and s["match_error"] == 0.0
+    # the kept columns are the same dot products, but from a matmul of another width: the rounding may
+    # differ by the float32 bound of a length-H reduction (5.7e-8 relative was seen on an AMD EPYC)
+    bound = torch.finfo(torch.float32).eps * base.router_weight.shape[1]
+    assert s["experts_compared"] == len(keep) and s["match_error"] <= bound
     assert s["kl"] < 1e-12 and s["jaccard"] < 1.0  # same rows renormalised; the removed experts' tokens moved
 
 

@@ -10,12 +10,15 @@ initialised expert.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moecompress.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 
 def load(
@@ -42,9 +45,20 @@ def load(
         raise CheckpointError(f"{directory} has no config.json; pass a checkpoint directory")
     adapter = check_output(directory)
     kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype) if isinstance(dtype, str) else dtype}
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(directory), trust_remote_code=False, output_loading_info=True, **kwargs
-    )
+    kwargs.update(hub_kernel_free(directory, torch.device(device), dequantize is not None))
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(directory), trust_remote_code=False, output_loading_info=True, **kwargs
+        )
+    except (ValueError, OSError, ImportError) as err:
+        if "quantization_config" in kwargs or not _is_hub_kernel_error(err):
+            raise
+        # transformers could not fetch its MXFP4 hub kernel (offline, not cached): decode instead
+        logger.warning("%s: the MXFP4 hub kernel is unavailable (%s); loading the experts dequantised", directory, err)
+        kwargs.update(hub_kernel_free(directory, torch.device("cpu"), True))
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(directory), trust_remote_code=False, output_loading_info=True, **kwargs
+        )
     if adapter is not None:
         refuse_missing(adapter, info.get("missing_keys", ()), directory)
     from moecompress.runtime.lora_mixer import attach_adapters
@@ -55,6 +69,29 @@ def load(
     if dequantize is not None:
         set_dequantize(model, dequantize)
     return model.to(device).eval()
+
+
+def hub_kernel_free(directory: Path, device: torch.device, dequantize: bool) -> dict[str, Any]:
+    """``from_pretrained`` keywords that keep transformers from fetching Hub kernels it cannot use.
+
+    transformers runs MXFP4 experts (gpt-oss) through the Hub kernel
+    ``kernels-community/gpt-oss-triton-kernels``, which it downloads on first use: offline, or with the kernel
+    not cached, loading fails. On a device other than CUDA (or when the caller asked for dequantised
+    experts) the kernel buys nothing, so the experts are dequantised at load time with transformers' own
+    ``Mxfp4Config(dequantize=True)``, the same values our reader gives. FP8 and compressed-tensors load on
+    the CPU without Hub kernels and are left to transformers."""
+    cfg = json.loads((directory / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {}
+    if qc.get("quant_method") != "mxfp4" or (device.type == "cuda" and not dequantize):
+        return {}
+    from transformers import Mxfp4Config
+
+    kept = {k: qc[k] for k in ("modules_to_not_convert",) if k in qc}
+    return {"quantization_config": Mxfp4Config(dequantize=True, **kept)}
+
+
+def _is_hub_kernel_error(err: Exception) -> bool:
+    return "kernel" in str(err).lower()
 
 
 def set_dequantize(model, dtype: str | None) -> int:
