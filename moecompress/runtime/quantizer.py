@@ -14,6 +14,7 @@ shared experts stay transformers' own modules. No class is patched.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -24,9 +25,11 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION, PROJ, decode_bank
 from moecompress.io.verify import module_tensors, verify_checkpoint
+from moecompress.reference import expert_forward, experts_forward
 from moecompress.runtime.routing import attach_stored
 
 METHOD = "moecompress"
+_QUANTISED = ("codebook", "rtn")  # the layouts ``dequantize=`` decodes to ``dense_dtype``
 
 
 class CompressedExperts(nn.Module):
@@ -35,7 +38,9 @@ class CompressedExperts(nn.Module):
 
     Its parameters (floating tensors) and buffers (integer ones) are exactly the tensors
     :func:`moecompress.io.verify.module_tensors` declares for ``desc``: the names, shapes and dtypes
-    the checker compared with the shard headers before any weight was loaded."""
+    the checker compared with the shard headers before any weight was loaded. Calls that need
+    gradients run the differentiable reference maths, all others the fast path (:meth:`differentiable`,
+    ``docs/serving.md``)."""
 
     def __init__(self, desc: dict[str, Any], hidden_size: int, field: str = "moecompress.layers") -> None:
         super().__init__()
@@ -47,7 +52,7 @@ class CompressedExperts(nn.Module):
             module = self.get_submodule(owner) if owner else self
             t = torch.empty(d.shape, dtype=d.dtype or torch.float32, device="meta")
             if t.dtype.is_floating_point:
-                module.register_parameter(key, nn.Parameter(t, requires_grad=False))
+                module.register_parameter(key, nn.Parameter(t))  # trainable, as transformers' own weights
             else:
                 module.register_buffer(key, t)
 
@@ -73,8 +78,32 @@ class CompressedExperts(nn.Module):
             self._prepared_key = key
         return self._prepared
 
+    def differentiable(self, *inputs: torch.Tensor) -> bool:
+        """Whether a call must be differentiable: grad mode is on (not ``no_grad``/``inference_mode``) and
+        an input or a stored tensor requires grad. Such calls run the reference maths on the bank decoded
+        from the stored tensors themselves (:meth:`autograd_bank`); all others the prepared fast path."""
+        if not torch.is_grad_enabled():
+            return False
+        return any(t.requires_grad for t in inputs) or any(p.requires_grad for p in self.parameters())
+
+    def autograd_bank(self):
+        """:meth:`bank` for a differentiable call: layouts built on the parameters themselves (gradients
+        reach centroids, scales, factors, biases, dense weights), quantised ones decoding to ``dense_dtype``
+        when set, as the fast path does."""
+        bank, emap = self.bank()
+        if self.dense_dtype is not None:
+            lays = {p: getattr(bank, p) for p in PROJ}
+            bank = dataclasses.replace(
+                bank, **{p: lay.cast(self.dense_dtype) for p, lay in lays.items() if lay.kind in _QUANTISED}
+            )
+        return bank, emap
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        out = self.prepared(hidden_states.device)(hidden_states, top_k_index, top_k_weights)
+        if self.differentiable(hidden_states, top_k_weights):
+            bank, emap = self.autograd_bank()
+            out = experts_forward(bank, hidden_states, top_k_index, top_k_weights, emap)
+        else:
+            out = self.prepared(hidden_states.device)(hidden_states, top_k_index, top_k_weights)
         return out.to(hidden_states.dtype)
 
 
@@ -83,11 +112,14 @@ class CompressedShared(CompressedExperts):
     ``shared(hidden_states [..., H]) -> [..., H]`` (any gate, e.g. Qwen2-MoE's, stays outside)."""
 
     def forward(self, hidden_states: torch.Tensor):  # type: ignore[override]
-        lean = self.prepared(hidden_states.device)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        return lean(x, ids, ones).reshape(hidden_states.shape).to(hidden_states.dtype)
+        if self.differentiable(x):
+            y = expert_forward(self.autograd_bank()[0], 0, x)
+        else:
+            ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
+            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            y = self.prepared(x.device)(x, ids, ones)
+        return y.reshape(hidden_states.shape).to(hidden_states.dtype)
 
 
 def prepare_serving(bank, expert_map, dense_dtype=None):
@@ -178,7 +210,7 @@ class MoecompressQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        return True  # grad-mode calls are differentiable (CompressedExperts.differentiable)
 
 
 def _headers(checkpoint_files, name: str):
