@@ -441,7 +441,8 @@ def prepare(bank: ExpertBank, expert_map: torch.Tensor | None, config: Config | 
     sel = torch.nonzero(bank.gate.members >= 0).flatten().to(device)
     if any(int(e) in bank.unrotated for e in sel.tolist()):
         return None
-    full = torch.full((bank.num_experts,), bank.width, dtype=torch.int64) if bank.widths is None else bank.widths
+    full = (torch.full((bank.num_experts,), bank.width, dtype=torch.int64, device=device) if bank.widths is None
+            else bank.widths)  # fmt: skip
     widths = full.to(device)[sel].clamp(max=min(g.rows, d.cols)).to(torch.int32).contiguous()
     biases = {k: v.to(device, dtype)[sel].contiguous() for k, v in bank.biases.items()}
     ex = [(lay.exact if lay.kind == "codebook" else lay.dense_experts).to(device) for lay in lays]

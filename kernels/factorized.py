@@ -98,17 +98,23 @@ def _lowrank_parts(lay: LowRank) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([ranks.new_zeros(1), ranks.cumsum(0)])[:-1], ranks
 
 
+def _index_makers(m: int, device) -> tuple[torch.Tensor, object]:
+    """Per-member int64 zeros ``[m]`` and ``full(v)`` (``[m]`` of ``v``), made on ``device`` (no host copy)."""
+    zero = torch.zeros(m, dtype=torch.int64, device=device)
+    return zero, lambda v: torch.full((m,), int(v), dtype=torch.int64, device=device)
+
+
 def gate_up_stages(g, u, m: int, dtype, device) -> tuple[Stage, Stage, torch.Tensor | None]:
     """Shrink and expand of gate+up (``Z = 2``), and (tucker) the shared input factor ``[H, r3g + r3u]``."""
-    zero = torch.zeros(m, dtype=torch.int64)
+    zero, full = _index_makers(m, device)
     if isinstance(g, Tucker):
         cg, cu = _cores(g), _cores(u)
         (r2g, r3g), (r2u, r3u) = cg.shape[1:], cu.shape[1:]
-        ar = torch.arange(m, dtype=torch.int64)
-        shrink = _stage([(cg, ar * r2g * r3g, torch.full((m,), r2g), r3g, r3g, 0),
-                         (cu, ar * r2u * r3u, torch.full((m,), r2u), r3u, r3u, r3g)], dtype, device)  # fmt: skip
-        expand = _stage([(g.u_out, zero, torch.full((m,), r2g), r2g, g.shape[1], 0),
-                         (u.u_out, zero, torch.full((m,), r2u), r2u, u.shape[1], r2g)], dtype, device)  # fmt: skip
+        ar = torch.arange(m, dtype=torch.int64, device=device)
+        shrink = _stage([(cg, ar * r2g * r3g, full(r2g), r3g, r3g, 0),
+                         (cu, ar * r2u * r3u, full(r2u), r3u, r3u, r3g)], dtype, device)  # fmt: skip
+        expand = _stage([(g.u_out, zero, full(r2g), r2g, g.shape[1], 0),
+                         (u.u_out, zero, full(r2u), r2u, u.shape[1], r2g)], dtype, device)  # fmt: skip
         return shrink, expand, torch.cat([g.u_in, u.u_in], 1).to(device, dtype).contiguous()
     (og, rg), (ou, ru) = _lowrank_parts(g), _lowrank_parts(u)
     h, rmax = g.shape[2], int(rg.max()) if m else 0
@@ -120,13 +126,14 @@ def gate_up_stages(g, u, m: int, dtype, device) -> tuple[Stage, Stage, torch.Ten
 
 def down_stages(d, m: int, dtype, device) -> tuple[Stage, Stage, torch.Tensor | None]:
     """Shrink and expand of down (``Z = 1``), and (tucker) the shared output factor ``U_out_d [H, r2]``."""
-    zero = torch.zeros(m, dtype=torch.int64)
+    zero, full = _index_makers(m, device)
     _, hidden, inter = d.shape
     if isinstance(d, Tucker):
         c = _cores(d)
         r2, r3 = c.shape[1:]
-        shrink = _stage([(d.u_in.t().contiguous(), zero, torch.full((m,), r3), inter, inter, 0)], dtype, device)
-        expand = _stage([(c, torch.arange(m) * r2 * r3, torch.full((m,), r3), r3, r2, 0)], dtype, device)
+        shrink = _stage([(d.u_in.t().contiguous(), zero, full(r3), inter, inter, 0)], dtype, device)
+        ar = torch.arange(m, dtype=torch.int64, device=device)
+        expand = _stage([(c, ar * r2 * r3, full(r3), r3, r2, 0)], dtype, device)
         return shrink, expand, d.u_out.to(device, dtype).contiguous()
     off, ranks = _lowrank_parts(d)
     shrink = _stage([(d.v, off * inter, ranks, inter, inter, 0)], dtype, device)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from moecompress.kernels._launch import check_config, smem_bytes, upcast
 from moecompress.kernels.combine import moe_combine
 from moecompress.kernels.moe_align import moe_align
+from moecompress.methods.rotation import fake_quant_tokens
 
 ACT_CODES = {"swiglu": 0, "swiglu_clamped": 1}
 
@@ -365,7 +366,7 @@ def operands(bank) -> Operands | None:
     dev = (g.weight if g.kind == "dense" else g.rows).device
     if dev.type == "meta":
         return None
-    widths = (bank.widths if bank.widths is not None else torch.full((e,), i)).to(dev, torch.int32)
+    widths = (bank.widths if bank.widths is not None else torch.full((e,), i, device=dev)).to(dev, torch.int32)
 
     def rows_off(lay):
         if lay.kind == "dense":
@@ -395,20 +396,20 @@ def operands(bank) -> Operands | None:
 
 @dataclass
 class GroupedPrepared:
-    """``prepare_triton``'s result for dense/ragged banks: ``forward(x, ids, weights) -> [T, H]`` fp32."""
+    """``prepare_triton``'s result for dense/ragged banks: ``forward(x, ids, weights) -> [T, H]`` fp32.
+    Every tensor is on the weights' device, the bank's input transform (``reference.bank_input``) too."""
 
-    bank: object
     ops: Operands
     expert_map: torch.Tensor | None
     raw: torch.Tensor | None  # int32 [E]: 1 for experts reading the untransformed input
+    rotation: torch.Tensor | None = None
+    act_bits: int | None = None
     config: GemmConfig | None = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from moecompress.reference import bank_input
-
         dt = self.ops.gate.dtype
-        xin = bank_input(self.bank, x)
-        xs = xin.to(dt)
+        xin = x if self.rotation is None else F.linear(x.to(self.rotation.dtype), self.rotation.T)
+        xs = (xin if self.act_bits is None else fake_quant_tokens(xin, self.act_bits)).to(dt)
         if self.raw is not None:
             xs = torch.stack([xs, x.to(dt)])
         return grouped_moe(self.ops, xs, ids, weights, self.expert_map, self.raw, self.config)
@@ -427,7 +428,8 @@ def prepare(bank, expert_map: torch.Tensor | None = None) -> GroupedPrepared | N
         raw = torch.zeros(ops.num_experts, dtype=torch.int32, device=ops.widths.device)
         raw[sorted(bank.unrotated)] = 1
     emap = None if expert_map is None else expert_map.to(ops.widths.device, torch.int64).contiguous()
-    return GroupedPrepared(bank, ops, emap, raw)
+    rotation = None if bank.rotation is None else bank.rotation.to(ops.widths.device)
+    return GroupedPrepared(ops, emap, raw, rotation, bank.act_bits)
 
 
 __all__ = ["CONFIGS", "GemmConfig", "GroupedPrepared", "Operands", "grouped_moe", "moe_loop", "operands",

@@ -18,6 +18,14 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
 @pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests run: ``cuda`` when available, else ``cpu`` (Triton's interpreter, above)."""
+    from kernel_device import DEV
+
+    return DEV
+
+
+@pytest.fixture(scope="session")
 def shared_dir() -> Path:
     if not (SHARED / "data" / "models").is_dir():
         pytest.skip("../shared reference data is absent")

@@ -10,11 +10,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_device import forward_on
+
 from moecompress.kernels._launch import KernelConfigError, check_config, next_pow2, smem_bytes
 from moecompress.kernels.moe_align import align_ref, moe_align
 
 pytestmark = pytest.mark.interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_definition(ids, num_experts, block, expert_map, out):
@@ -75,7 +76,7 @@ def test_align_equals_reference(t, k, e, block, kind):
     ref = align_ref(ids, e, block)
     _check_definition(ids, e, block, None, ref)
     for path in ("single", "multi"):  # one program (decode) and the three-step path (prefill, several chunks)
-        got = moe_align(ids.to(DEV), e, block, path=path)
+        got = forward_on(moe_align, ids, e, block, path=path)
         for a, b in zip(got, ref):
             assert a.dtype == torch.int32
             assert torch.equal(a.cpu(), b), path
@@ -90,7 +91,7 @@ def test_align_expert_map_duplicates_and_minus_one():
     ref = align_ref(ids, 6, 16, emap)
     _check_definition(ids, 6, 16, emap, ref)
     for path in ("single", "multi"):
-        for a, b in zip(moe_align(ids.to(DEV), 6, 16, emap.to(DEV), path=path), ref):
+        for a, b in zip(forward_on(moe_align, ids, 6, 16, emap, path=path), ref):
             assert torch.equal(a.cpu(), b)
 
 
@@ -112,13 +113,13 @@ def test_align_matches_guide_formula_without_drops():
 
 
 def test_align_empty_input():
-    s, eids, total = moe_align(torch.zeros(0, 2, dtype=torch.int64, device=DEV), 4, 16)
+    s, eids, total = forward_on(moe_align, torch.zeros(0, 2, dtype=torch.int64), 4, 16)
     assert int(total) == 0 and (s == 0).all() and (eids == -1).all() and s.numel() == 4 * 15
 
 
 def test_align_rejects_non_power_of_two_block():
     with pytest.raises(KernelConfigError, match=r"block_m=12 must be a power of two"):
-        moe_align(torch.zeros(1, 1, dtype=torch.int64), 4, 12)
+        forward_on(moe_align, torch.zeros(1, 1, dtype=torch.int64), 4, 12)
 
 
 def test_launch_checks():

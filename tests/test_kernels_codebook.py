@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_device import forward_on, prepare_on
+
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels import codebook_gemm as k3
 from moecompress.kernels._launch import KernelConfigError
@@ -26,7 +28,6 @@ from moecompress.methods.rotation import hadamard
 from moecompress.reference import experts_forward
 
 pytestmark = pytest.mark.interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E, W, H, K = 6, 40, 64, 2  # W = 40: not a multiple of 16
 
 
@@ -88,9 +89,9 @@ def run(bank: ExpertBank, t: int, dtype, *, emap=None, ids=None, w=None, config=
     x = (torch.randn(t, H, generator=torch.Generator().manual_seed(seed + 1)) / 2).to(dtype)
     if ids is None:
         ids, w = routing(t, seed, E if emap is None else emap.numel())
-    prep = k3.prepare(bank, emap, config)
+    prep = prepare_on(k3.prepare, bank, emap, config)
     assert prep is not None
-    y = prep.forward(x.to(DEV), ids.to(DEV), w.to(DEV))
+    y = forward_on(prep.forward, x, ids, w)
     assert y.dtype == torch.float32 and y.shape == (t, H)
     return y.cpu(), experts_forward(bank, x, ids, w, emap), prep, x, ids, w
 
@@ -152,7 +153,7 @@ def test_register_lookup_tables(group):
     per program for whole-row codebooks, one per K block for groups of 16 inputs); pruned to 32."""
     bank = codebook_bank(4, protected=(3,), live=32, group=group)
     cfg = k3.Config(bm=16, bn=32, bk=16, bn_down=64, bk_down=16, stages=1, lut="reg")
-    prep = k3.prepare(bank, None, cfg)
+    prep = prepare_on(k3.prepare, bank, None, cfg)
     assert {k3._lut(cfg, getattr(prep, n), 16) for n in ("gate", "up", "down")} == {1 if group == -1 else 2}
     y, r, *_ = run(bank, 7, torch.float32, config=cfg, seed=12)
     close(y, r, torch.float32)
@@ -213,7 +214,7 @@ def test_biases_and_clamped_activation():
 def test_dequant_reference_equals_layout():
     """The plain-PyTorch decode of the repacked codes equals the layout's own expert."""
     for bank in (codebook_bank(3, protected=(0,), group=8), rtn_bank(4, 16, False, protected=(0,))):
-        prep = k3.prepare(bank, None)
+        prep = prepare_on(k3.prepare, bank, None)
         for name in ("gate", "up", "down"):
             lay = getattr(bank, name)
             for m, e in enumerate(range(1, E)):
@@ -230,11 +231,11 @@ def test_every_expert_exact():
 
 def test_unserved_banks_and_bad_configs():
     bank = codebook_bank(4)
-    assert k3.prepare(dataclasses.replace(bank, down=Dense(weights()["down"])), None) is None
+    assert prepare_on(k3.prepare, dataclasses.replace(bank, down=Dense(weights()["down"])), None) is None
     mixed = dataclasses.replace(bank, up=rtn_bank(4, 16, False).up)
-    assert k3.prepare(mixed, None) is None  # gate and up must share a format
+    assert prepare_on(k3.prepare, mixed, None) is None  # gate and up must share a format
     x, (ids, w) = torch.randn(3, H), routing(3)
     with pytest.raises(KernelConfigError, match="below 16"):
-        k3.prepare(bank, None, k3.Config(bm=8)).forward(x.to(DEV), ids.to(DEV), w.to(DEV))
+        forward_on(prepare_on(k3.prepare, bank, None, k3.Config(bm=8)).forward, x, ids, w)
     with pytest.raises(KernelConfigError, match="power of two"):
-        k3.prepare(bank, None, k3.Config(bn=48)).forward(x.to(DEV), ids.to(DEV), w.to(DEV))
+        forward_on(prepare_on(k3.prepare, bank, None, k3.Config(bn=48)).forward, x, ids, w)

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_device import forward_on, prepare_on
+
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels.dispatch import FAMILIES, available, family_of, prepare_triton
 from moecompress.layouts import RTN, Codebook, Dense, LowRank, Tucker
@@ -24,7 +26,6 @@ from moecompress.methods.rotation import hadamard
 from moecompress.reference import experts_forward
 
 pytestmark = pytest.mark.interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
 NE, NH, NI = 6, 64, 48
 
@@ -88,9 +89,9 @@ def _inputs(t, k=2, n_logical=NE, seed=0, dtype=torch.float32):
 def _check(bank, t=7, expert_map=None, dtype=torch.float32, k=2):
     n_logical = NE if expert_map is None else expert_map.numel()
     x, ids, w = _inputs(t, k, n_logical, seed=t, dtype=dtype)
-    prep = prepare_triton(bank, expert_map)
+    prep = prepare_on(prepare_triton, bank, expert_map)
     assert prep is not None, f"no kernel served {bank.gate.kind}/{bank.up.kind}/{bank.down.kind}"
-    got = prep.forward(x.to(DEV), ids.to(DEV), w.to(DEV)).float().cpu()
+    got = forward_on(prep.forward, x, ids, w).float().cpu()
     ref = experts_forward(bank, x, ids, w, expert_map)
     eps = torch.finfo(dtype).eps
     scale = float(ref.abs().max().clamp_min(1e-3))
@@ -105,7 +106,7 @@ def test_family_table():
     mixed = ExpertBank(codebook_layout(NI, NH, gen), codebook_layout(NI, NH, gen), Dense(_w(NE, NH, NI, gen=gen)))
     assert family_of(mixed) == "codebook_gemm"
     two = ExpertBank(codebook_layout(NI, NH, gen), codebook_layout(NI, NH, gen), lowrank_layout(NH, NI, gen))
-    assert family_of(two) is None and prepare_triton(two) is None  # two compressed families: PyTorch path
+    assert family_of(two) is None and prepare_on(prepare_triton, two) is None  # two compressed families: PyTorch path
     assert set(FAMILIES) == {"dense", "ragged", "codebook", "rtn", "tucker", "lowrank"}
 
 

@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_device import forward_on, prepare_on
+
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels import factorized as k4
 from moecompress.layouts.dense import Dense
@@ -27,7 +29,6 @@ from moecompress.methods.whitening import Whitener
 from moecompress.reference import experts_forward
 
 pytestmark = pytest.mark.interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E, W, H, K = 6, 40, 64, 2
 
 
@@ -89,9 +90,9 @@ def run(bank: ExpertBank, t: int, dtype, *, emap=None, ids=None, w=None, config=
     x = (torch.randn(t, H, generator=torch.Generator().manual_seed(seed + 1)) / 2).to(dtype)
     if ids is None:
         ids, w = routing(t, seed, E if emap is None else emap.numel())
-    prep = k4.prepare(bank, emap, config)
+    prep = prepare_on(k4.prepare, bank, emap, config)
     assert prep is not None
-    y = prep.forward(x.to(DEV), ids.to(DEV), w.to(DEV))
+    y = forward_on(prep.forward, x, ids, w)
     assert y.dtype == torch.float32 and y.shape == (t, H)
     return y.cpu(), experts_forward(bank, x, ids, w, emap), prep, x, ids, w
 
@@ -195,7 +196,7 @@ def test_rotated_input_with_unrotated_exact_expert():
 
 def test_unserved_banks():
     bank = bank_of("tucker")
-    assert k4.prepare(dataclasses.replace(bank, down=Dense(weights()["down"])), None) is None
-    assert k4.prepare(dataclasses.replace(bank, up=bank_of("lowrank").up), None) is None
+    assert prepare_on(k4.prepare, dataclasses.replace(bank, down=Dense(weights()["down"])), None) is None
+    assert prepare_on(k4.prepare, dataclasses.replace(bank, up=bank_of("lowrank").up), None) is None
     cut = dataclasses.replace(bank_of("lowrank"), widths=torch.tensor([W, W, 8, W, W, W]))
-    assert k4.prepare(cut, None) is None  # neuron cuts cannot follow a factorisation
+    assert prepare_on(k4.prepare, cut, None) is None  # neuron cuts cannot follow a factorisation

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_device import forward_on, prepare_on
+
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels._launch import KernelConfigError
 from moecompress.kernels.combine import combine_ref, moe_combine
@@ -22,7 +24,6 @@ from moecompress.layouts.ragged import Ragged
 from moecompress.reference import experts_forward
 
 pytestmark = pytest.mark.interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = GemmConfig(16, 32, 32, 32, 32, stages=2, split_k=1)
 
 
@@ -62,9 +63,8 @@ def loop_lists(bank):
 
 
 def run_case(bank, x, ids, w, cfg):
-    ops = operands(bank)
-    ops = type(ops)(**{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in vars(ops).items()})
-    got = grouped_moe(ops, x.to(DEV, bank.gate.dtype), ids.to(DEV), w.to(DEV), config=cfg).cpu()
+    ops = prepare_on(operands, bank)
+    got = forward_on(grouped_moe, ops, x.to(bank.gate.dtype), ids, w, config=cfg).cpu()
     w13, w2, b13, b2 = loop_lists(bank)
     ref = moe_loop(x.to(bank.gate.dtype), w13, w2, w, ids, b13, b2, bank.act.value, bank.alpha, bank.limit)
     return got, ref
@@ -117,8 +117,8 @@ def test_zero_padding_equivalence():
     rag = make_bank(e, h, i, widths, torch.float32)
     pad = ExpertBank(Dense(rag.gate.dense()), Dense(rag.up.dense()), Dense(rag.down.dense()))
     x, ids, w = torch.randn(t, h), torch.randint(0, e, (t, 2)), torch.rand(t, 2)
-    a = grouped_moe(operands(rag), x, ids, w, config=SMALL)
-    b = grouped_moe(operands(pad), x, ids, w, config=SMALL)
+    a = forward_on(grouped_moe, prepare_on(operands, rag), x, ids, w, config=SMALL).cpu()
+    b = forward_on(grouped_moe, prepare_on(operands, pad), x, ids, w, config=SMALL).cpu()
     torch.testing.assert_close(a, b, atol=tol(torch.float32, h + i, b), rtol=0)
 
 
@@ -138,8 +138,8 @@ def test_moe_loop_equals_reference_forward():
 def test_bad_config_raises_typed_error(bad):
     bank = make_bank(2, 32, 16, torch.tensor([16, 8]), torch.float32)
     with pytest.raises(KernelConfigError):
-        grouped_moe(operands(bank), torch.randn(1, 32), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
-                    config=bad)
+        forward_on(grouped_moe, prepare_on(operands, bank), torch.randn(1, 32), torch.zeros(1, 1, dtype=torch.int64),
+                   torch.ones(1, 1), config=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -150,7 +150,7 @@ def test_combine_equals_reference(dtype):
     ids = torch.randint(0, e + 1, (t, k))
     emap = torch.tensor([0, 1, -1, 2, 2])
     ref = combine_ref(y, k, w, ids, 3, emap)
-    got = moe_combine(y.to(DEV), k, w.to(DEV), ids.to(DEV), 3, emap.to(DEV), block_n=16).cpu()
+    got = forward_on(moe_combine, y, k, w, ids, 3, emap, block_n=16).cpu()
     torch.testing.assert_close(got, ref, atol=4 * torch.finfo(torch.float32).eps * k * 2, rtol=1e-6)
     y[:, ids.reshape(-1) == e] = float("nan")  # dropped slots' rows are never read
-    assert not moe_combine(y.to(DEV), k, None, ids.to(DEV), 3, emap.to(DEV)).isnan().any()
+    assert not forward_on(moe_combine, y, k, None, ids, 3, emap).isnan().any()

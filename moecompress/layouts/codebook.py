@@ -102,8 +102,8 @@ class Codebook(Layout):
             packed = torch.stack([pack_bits(codes[e], bits) for e in ids])
             cents = torch.stack([centroids[e] for e in ids]).to(torch.float16)
         else:
-            packed = torch.zeros(0, out_s, packed_size(in_s, bits), dtype=torch.uint8)
-            cents = torch.zeros(0, out_s, g, 1 << bits, dtype=torch.float16)
+            packed = torch.zeros(0, out_s, packed_size(in_s, bits), dtype=torch.uint8, device=like.device)
+            cents = torch.zeros(0, out_s, g, 1 << bits, dtype=torch.float16, device=like.device)
         ex = torch.stack([exact[e] for e in rest]) if rest else like.new_zeros(0, out, inn)
         return cls(packed, cents, members, ex, bits, int(in_s), like.dtype, (out, inn))
 

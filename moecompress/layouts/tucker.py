@@ -119,7 +119,8 @@ class Tucker(Layout):
     def apply(
         self, x: torch.Tensor, e: int, *, rows: int | None = None, cols: int | None = None
     ) -> torch.Tensor:
-        space, value = self.partial(self.encode(x), e, torch.arange(x.shape[0]), rows=rows, cols=cols)
+        tok = torch.arange(x.shape[0], device=x.device)
+        space, value = self.partial(self.encode(x), e, tok, rows=rows, cols=cols)
         return self.decode(space, value)
 
     def cast(self, dtype: torch.dtype) -> Tucker:
