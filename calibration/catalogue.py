@@ -62,6 +62,10 @@ CATALOGUE: dict[str, StatInfo] = {
          "route_attrib_aarv", "route_attrib_hub_influence", "route_attrib_hub_aarv", "route_attrib_hub_count",
          "route_attrib_sum_error", "route_attrib_norm_fit_error"),
     ),
+    "moe_inputs": StatInfo(
+        "forward", "[T, H]", "every calibration (non-held-back) token's MoE input: a layer an earlier step "
+        "changed is replayed on them for the forward statistics of later steps (moecompress.engine.follow)",
+    ),
     "holdout": StatInfo("forward", "[N, H]", "the held-back tokens' MoE inputs (reconstruction errors)", ("holdout_x",)),
     "grad_sq_mean": StatInfo("backward", "[E, I]", "mean over routed tokens of (dl/dh)^2, per neuron"),
     "out_grad_cov": StatInfo("backward", "[H, H]", "E[g g^T], g = dl/d(MoE output), over all tokens"),

@@ -60,6 +60,7 @@ class StatsCollector:
             "router_sample": [],
             "holdout_x": [],
             "gram_x": [],  # expert_out_gram_fisher: the backward's MoE inputs of the Ward tokens
+            "moe_inputs": [],  # every calibration token's MoE input (a changed layer is replayed on them)
         }
         self._absmax: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._weights: torch.Tensor | None = None
@@ -105,7 +106,7 @@ class StatsCollector:
 
     def _keep(self, key: str, t: torch.Tensor) -> None:
         have = sum(x.shape[0] for x in self._io[key])
-        cap = AUTO_TOKENS if key == "gram_x" else self.sample_tokens
+        cap = AUTO_TOKENS if key == "gram_x" else 1 << 62 if key == "moe_inputs" else self.sample_tokens
         if have < cap:
             self._io[key].append(t.detach()[: cap - have].float().cpu().clone())
 
@@ -128,6 +129,8 @@ class StatsCollector:
             self._add("input_cov", xf.T @ xf)
         if "io_sample" in self.names:
             self._keep("io_sample_x", x)
+        if "moe_inputs" in self.names:
+            self._keep("moe_inputs", x)
 
     def on_route(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         self._ids, self._weights = ids, weights.detach()

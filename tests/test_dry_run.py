@@ -42,7 +42,7 @@ IMPOSSIBLE = [
 POSSIBLE = [
     [{"protect_super_experts": {}}, {"heapr": {"ratio": 0.25, "layout": "uniform", "align": 16}}, {"tdmoe": {}}],
     [{"protect_super_experts": MANUAL}, {"heapr": {"ratio": 0.5, "layout": "uniform"}}, {"codequant": {"group": 16}}],
-    [{"namex": {"ratio": 0.25, "router": "collapse"}}, {"heapr": {"scope": "layer"}}, {"rtn": {}}],
+    [{"namex": {"ratio": 0.25, "router": "collapse"}}, {"neuron_prune": {"method": "wanda"}}, {"rtn": {}}],
     [{"expert_prune": {"ratio": 0.5}}, {"svd_experts": {"ratio": 0.5}}],
     [{"heapr": {"ratio": 0.5, "layout": "uniform"}}, {"rtn": {"group_size": 16}}],
 ]

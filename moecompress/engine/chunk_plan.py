@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from moecompress.engine import chunks, resources
+from moecompress.engine import chunks, follow, resources
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, RecipeError
 from moecompress.io.checkpoint import Checkpoint
@@ -56,7 +56,8 @@ def auto_chunk(
 
 def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int) -> bool:
     """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able)."""
-    return i not in ckpt.layouts and all(refusal(s) is None for s in recipe.steps)
+    able = all(refusal(s) is None for s in recipe.steps) and not follow.required(recipe.steps)
+    return i not in ckpt.layouts and able
 
 
 def calibration_cap(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit: int) -> int | None:
@@ -136,6 +137,11 @@ def check_chunked(recipe: Recipe, i: int, n: int, whole: int, limit: int | None)
     """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` held by
     chunks of ``n`` experts, or a propagation of the compressed layers."""
     how = f"expert_chunk: {recipe.expert_chunk} holds it by chunks of {n} experts"
+    if follow.required(recipe.steps):
+        raise RecipeError(
+            f"layer {i}: a later step reads statistics that an earlier step changes, which follow the layer only "
+            f"when it is held whole, but {how}; set expert_chunk: off, or run the steps as two recipes"
+        )
     for step in recipe.steps:
         why = refusal(step)
         if why is None:

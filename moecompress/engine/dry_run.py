@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
-from moecompress.engine import chunk_plan, resources, segments
+from moecompress.engine import chunk_plan, follow, resources, segments
 from moecompress.engine.context import compute_dtype, resolve_device
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
@@ -113,7 +113,8 @@ def chain(recipe: Recipe, layer: MoELayer) -> list[MoELayer]:
 def _stat_dims(recipe: Recipe, layer: MoELayer) -> dict[str, int]:
     c = recipe.calibration
     return {"E": layer.experts.num_experts, "I": layer.experts.width, "H": layer.hidden_size,
-            "N": min(c.sample_tokens, c.samples * c.seq_len), "NH": c.holdout_samples * c.seq_len, "S": 1}  # fmt: skip
+            "N": min(c.sample_tokens, c.samples * c.seq_len), "NH": c.holdout_samples * c.seq_len, "S": 1,
+            "T": max(c.samples - c.holdout_samples, 1) * c.seq_len}  # fmt: skip
 
 
 def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
@@ -175,6 +176,8 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
                 e["whole_because"] = blocked  # a step that cannot run by chunks holds the layer whole
             if e["bytes"] > step_memory.get(step.label, {}).get("bytes", -1):
                 step_memory[step.label] = e
+    if not c.data_free:
+        follow.verdicts(recipe.steps)  # statistics that cannot follow the layer through the earlier steps
     in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)  # in memory (dequantised)
     dequantize = dequantized_output(ckpt, recipe.quantized_input, nonstock)
     rest, scale = in_bytes - moe_in, 1.0  # on disk: what no step rewrites, and bytes per logical MoE byte

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from moecompress.engine import follow
 from moecompress.engine.spec import PassConfig, PassSpec
 from moecompress.errors import RecipeError
 from moecompress.passes import BUILTIN_PASSES, BUILTIN_STAGES
@@ -227,7 +228,9 @@ class Recipe:
 
     @property
     def needs(self) -> frozenset[str]:
-        return frozenset().union(*(s.needs for s in self.steps))
+        """What calibration collects for the steps: their needs, and what their statistics need to follow
+        the layer through earlier steps (:func:`moecompress.engine.follow.extra_needs`)."""
+        return frozenset().union(*(s.needs for s in self.steps)) | follow.extra_needs(self.steps)
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from moecompress.calibration.cache import load_layer
 from moecompress.engine.chunk_loop import chunked_layer
 from moecompress.engine.context import RunContext
 from moecompress.engine.expert_shard import chunk_size
+from moecompress.engine.follow import follower, split_kept
 from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
 from moecompress.engine.layer_loop import raw_layer_tensors, raw_selection, stream_layers, write_raw
 from moecompress.engine.protection import MASSIVE_RATIO_WARNING, RENUMBER_KEY, TopActivation
@@ -132,14 +133,20 @@ class RecipeRun:
             top0 = TopActivation()
             hy = moe_forward(layer_to(cast_layer(layer, dtype), dev), hx, top0)
         errors = {"rel_error": 0.0, "sqnr_db": float("inf"), "massive_ratio": 1.0}  # of the unchanged layer
-        for step in self.rec.steps:
+        follows, version = follower(self.rec, stats[host], dtype), 0  # statistics follow the layer
+        for n, step in enumerate(self.rec.steps):
             where = dev if step.spec.on_device else host
             layer = layer_to(layer, where)
             # sizes compare the step's input and output; the error is cumulative (vs the original block)
             before_params, before_bytes = layer.num_params(), layer.nbytes()
             t0 = time.perf_counter()
+            stats[host] = follows.before(n, step, layer)
+            if dev != host and version != follows.version:
+                stats[dev], version = {k: v.to(dev) for k, v in stats[host].items()}, follows.version
             st = step_stats(step, idx, stats[where], plan=self.plans.get(step.number, {}).get(idx))
             new, info = run_step(step, layer, st)
+            info, kept_neurons = split_kept(info)
+            follows.after(step, layer, new, kept_neurons)
             secs = time.perf_counter() - t0
             kept = _selection(step, layer, new, info, kept)
             row = {

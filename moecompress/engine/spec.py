@@ -45,6 +45,12 @@ Fields of a spec:
 - ``chunking``: a :class:`Chunking`, how the step runs on a layer held by chunks of experts
   (``RunContext.expert_chunks``, :mod:`moecompress.engine.chunks`); ``None``: the step needs every expert
   at once and is refused on such a layer in the dry run.
+- ``alters``: what the step changes in a layer (:data:`ALTERS`; a set, or ``cfg -> set``): ``routing``
+  (router rows, which experts exist or which physical expert a token reaches, a routing policy),
+  ``neurons`` (neuron subsets of the experts; the pass lists each expert's kept neurons in
+  ``info[KEPT_NEURONS]``), ``weights`` (routed-expert weight values), ``shared`` (the shared expert).
+  Later steps' statistics follow it (:mod:`moecompress.engine.follow`). ``None``: anything but the
+  MoE input (a plugin that does not say); a report-only step alters nothing.
 """
 
 from __future__ import annotations
@@ -143,6 +149,13 @@ class LayerStats(Mapping[str, torch.Tensor]):
         return replace(self, tensors={**self.tensors, **tensors})
 
 
+ALTERS = frozenset({"routing", "neurons", "weights", "shared"})
+"""What a step may change in an MoE layer (``PassSpec.alters``)."""
+
+KEPT_NEURONS = "_kept_neurons"
+"""``info`` key of a ``neurons`` step: per physical expert, the input neuron ids it kept, in order. The
+engine takes it out of the info (reports never carry it)."""
+
 PassFn = Callable[[MoELayer, LayerStats, Any], "tuple[MoELayer, dict]"]
 
 
@@ -234,6 +247,7 @@ class PassSpec:
     workspace: Callable[[MoELayer, Any], int] | None = None
     chunking: Chunking | None = None
     plans: Callable[[Any], bool] | None = None
+    alters: frozenset[str] | Callable[[Any], Iterable[str]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "needs", frozenset(self.needs))
@@ -243,10 +257,25 @@ class PassSpec:
         bad = sorted(set(self.extras) - set(EXTRAS))
         if bad:
             raise ValueError(f"pass {self.name!r} names unknown extras {bad}; known: {sorted(EXTRAS)}")
+        if isinstance(self.alters, (set, frozenset)):
+            object.__setattr__(self, "alters", frozenset(self.alters))
+            if not self.alters <= ALTERS:
+                raise ValueError(f"pass {self.name!r} alters unknown parts {sorted(self.alters - ALTERS)}")
 
     def needs_for(self, cfg: Any) -> frozenset[str]:
         """The statistics a step with configuration ``cfg`` needs."""
         return self.needs if self.needs_fn is None else frozenset(self.needs_fn(cfg)) & self.needs
+
+    def alters_for(self, cfg: Any) -> frozenset[str]:
+        """What a step with configuration ``cfg`` changes in a layer (see ``alters``)."""
+        if self.report_only:
+            return frozenset()
+        if self.alters is None:
+            return ALTERS - {"neurons"}
+        parts = self.alters if isinstance(self.alters, frozenset) else frozenset(self.alters(cfg))
+        if not parts <= ALTERS:
+            raise ValueError(f"pass {self.name!r} alters unknown parts {sorted(parts - ALTERS)}")
+        return parts
 
     def plans_for(self, cfg: Any) -> bool:
         """Whether a step with configuration ``cfg`` makes a cross-layer decision."""

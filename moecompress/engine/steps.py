@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from moecompress.engine import follow
 from moecompress.engine.protection import RENUMBER_KEY, protection_violations
 from moecompress.engine.recipe import Recipe, Step
 from moecompress.engine.spec import LayerStats
@@ -49,9 +50,13 @@ def compress_for_propagation(rec: Recipe, device: str = "cpu"):
 
     def on_layer(i: int, layer: MoELayer, stats: dict[str, torch.Tensor]) -> MoELayer:
         dev = torch.device(device)
-        layer, stats = layer_to(layer, dev), {k: v.to(dev) for k, v in stats.items()}
-        for step in rec.steps:
-            layer, _ = run_step(step, layer, step_stats(step, i, stats))
+        layer = layer_to(layer, dev)
+        follows = follow.follower(rec, stats, layer.router_weight.dtype)  # statistics follow the layer
+        for n, step in enumerate(rec.steps):
+            now = {k: v.to(dev) for k, v in follows.before(n, step, layer).items()}
+            new, info = run_step(step, layer, step_stats(step, i, now))
+            follows.after(step, layer, new, follow.split_kept(info)[1])
+            layer = new
         return layer
 
     return on_layer

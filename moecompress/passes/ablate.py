@@ -54,4 +54,4 @@ def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tup
     return layer.replace(experts=new_bank), {"ablated": targets}
 
 
-SPEC = PassSpec("ablate_experts", AblateConfig, ablate_experts, check=_check)
+SPEC = PassSpec("ablate_experts", AblateConfig, ablate_experts, check=_check, alters=frozenset({"weights"}))

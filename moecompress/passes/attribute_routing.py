@@ -142,5 +142,5 @@ def _summarize(infos: dict[int, dict], cfg: AttributeRoutingConfig) -> dict:
 
 SPEC = PassSpec(
     "attribute_routing", AttributeRoutingConfig, attribute_routing, needs={"route_attrib"}, plan=_plan,
-    protects=lambda d: d["hubs"], summarize=lambda i, c: _summarize(i, c),
+    protects=lambda d: d["hubs"], summarize=lambda i, c: _summarize(i, c), alters=frozenset(),
 )  # fmt: skip

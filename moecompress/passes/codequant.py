@@ -304,4 +304,5 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
 SPEC = PassSpec(
     "codequant", CodequantConfig, codequant, needs={"io_sample"}, emits=_emits, check=_check,
     summarize=summarize_codequant, workspace=_workspace,
+    alters=lambda cfg: {"weights", "shared"} if cfg.shared else {"weights"},
 )  # fmt: skip

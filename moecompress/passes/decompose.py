@@ -128,5 +128,5 @@ def _summarize(infos: dict[int, dict], cfg: DecomposeConfig) -> dict:
 SPEC = PassSpec(
     "decompose", DecomposeConfig, decompose, needs=ALL_NEEDS, emits=_emits, check=_check,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda i, c: _summarize(i, c),
-    extras=("decompose",),
+    extras=("decompose",), alters=frozenset({"weights"}),
 )  # fmt: skip

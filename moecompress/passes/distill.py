@@ -136,4 +136,4 @@ def _memory(job, student_bytes: int, teacher_bytes: int) -> int:
 
 
 STAGE = StageSpec(run=_run, memory=_memory)
-SPEC = PassSpec("distill", DistillConfig, distill, check=check, stage=STAGE)
+SPEC = PassSpec("distill", DistillConfig, distill, check=check, stage=STAGE, alters=frozenset())

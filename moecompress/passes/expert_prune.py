@@ -257,5 +257,5 @@ def expert_prune(layer: MoELayer, stats: LayerStats, cfg: ExpertPruneConfig) -> 
 SPEC = PassSpec(
     "expert_prune", ExpertPruneConfig, expert_prune, needs=NEEDS, emits=_emits, check=_check,
     summarize=_summarize, needs_fn=lambda cfg: {"expert_counts", *([STAT[cfg.method]] if cfg.method in STAT else [])},
-    chunking=Chunking("select"),
+    chunking=Chunking("select"), alters=frozenset({"routing"}),
 )  # fmt: skip

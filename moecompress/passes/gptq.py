@@ -199,5 +199,5 @@ SPEC = PassSpec(
     needs={"expert_in_cov", "down_in_cov"},
     emits=lambda layer, cfg: _emits(layer, cfg),
     check=check_gptq,
-    summarize=lambda infos, cfg: summarize_gptq(infos, cfg),
+    summarize=lambda infos, cfg: summarize_gptq(infos, cfg), alters=frozenset({"weights"}),
 )

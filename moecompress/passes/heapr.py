@@ -85,6 +85,6 @@ def heapr(layer: MoELayer, stats: LayerStats, cfg: HeaprConfig) -> tuple[MoELaye
 
 SPEC = PassSpec(
     "heapr", HeaprConfig, heapr, needs=NEEDS, emits=pruned_shape, check=check_prunable, plan=_plan,
-    summarize=summarize_pruning,
-    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind),
+    summarize=summarize_pruning, plans=lambda cfg: cfg.scope == "global" and cfg.layout != "uniform",
+    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind), alters=frozenset({"neurons"}),
 )  # fmt: skip

@@ -26,4 +26,4 @@ def identity(layer: MoELayer, stats: LayerStats, cfg: IdentityConfig) -> tuple[M
     return layer, {}
 
 
-SPEC = PassSpec("identity", IdentityConfig, identity, chunking=Chunking("select"))
+SPEC = PassSpec("identity", IdentityConfig, identity, chunking=Chunking("select"), alters=frozenset())

@@ -38,4 +38,4 @@ def lora_heal(layer, stats, cfg: LoraHealConfig):
     return distill(layer, stats, cfg)
 
 
-SPEC = PassSpec("lora_heal", LoraHealConfig, lora_heal, check=check, stage=STAGE)
+SPEC = PassSpec("lora_heal", LoraHealConfig, lora_heal, check=check, stage=STAGE, alters=frozenset())

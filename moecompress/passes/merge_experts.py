@@ -84,5 +84,5 @@ SPEC = PassSpec(
     needs_fn=merge_needs,
     plan=plan_budget,
     plans=chosen_later,
-    summarize=_summarize,
+    summarize=_summarize, alters=frozenset({"routing", "weights"}),
 )

@@ -233,5 +233,5 @@ SPEC = PassSpec(
     needs_fn=merge_needs,
     plan=plan_budget,
     plans=chosen_later,
-    summarize=lambda i, c: _summarize(i, c),
+    summarize=lambda i, c: _summarize(i, c), alters=frozenset({"routing", "weights"}),
 )

@@ -92,5 +92,5 @@ SPEC = PassSpec(
     "neuron_prune", NeuronPruneConfig, neuron_prune, needs=NEEDS, emits=pruned_shape, check=check_prunable,
     summarize=summarize_pruning,
     needs_fn=lambda cfg: {"expert_counts"} if cfg.method == "magnitude" else NEEDS,
-    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind),
+    chunking=Chunking("expert", merge=merge_pruning, refuse=refuse_layer_ranking, kind=pruning_kind), alters=frozenset({"neurons"}),
 )  # fmt: skip

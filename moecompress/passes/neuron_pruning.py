@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, shifted_ids
+from moecompress.engine.spec import KEPT_NEURONS, LayerStats, PassConfig, shifted_ids
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.base import meta_tensor
@@ -109,6 +109,13 @@ def protected_physical(layer: MoELayer) -> set[int]:
     return {layer.physical(e) for e in layer.protected}
 
 
+def kept_neurons(key: torch.Tensor, widths: torch.Tensor) -> list[torch.Tensor]:
+    """Per expert ``e``, the ids of the ``widths[e]`` neurons with the highest ``key[e]``, in their
+    original order (ties: the lower id)."""
+    return [key[e].double().sort(descending=True, stable=True).indices[: int(widths[e])].sort().values
+            for e in range(key.shape[0])]  # fmt: skip
+
+
 def prune_layer(layer: MoELayer, key: torch.Tensor, widths: torch.Tensor, uniform: bool) -> MoELayer:
     """Keep, in each expert ``e``, the ``widths[e]`` neurons with the highest ``key[e]`` (in their
     original order). Dense result when ``uniform`` and every expert keeps the same width, else ragged;
@@ -116,8 +123,7 @@ def prune_layer(layer: MoELayer, key: torch.Tensor, widths: torch.Tensor, unifor
     bank = layer.experts
     if bool((widths == bank.width).all()):
         return layer
-    keep = [key[e].double().sort(descending=True, stable=True).indices[: int(widths[e])].sort().values
-            for e in range(bank.num_experts)]  # fmt: skip
+    keep = kept_neurons(key, widths)
     gate, up, down = (lay.dense() for lay in (bank.gate, bank.up, bank.down))
     same = uniform and bool((widths == widths[0]).all())
     if same:
@@ -181,7 +187,10 @@ def prune(
     if unseen:
         key[unseen] = neuron_norms(bank)[unseen].double()
     info = layer_info(layer, widths, unseen, bank.width)
-    return prune_layer(layer, key, widths, cfg.layout == "uniform"), info
+    new = prune_layer(layer, key, widths, cfg.layout == "uniform")
+    if new is not layer:  # the engine maps the statistics of later steps (engine/follow.py)
+        info[KEPT_NEURONS] = [k.tolist() for k in kept_neurons(key, widths)]
+    return new, info
 
 
 def layer_info(layer: MoELayer, widths: torch.Tensor, unseen: list[int], width: int) -> dict:
@@ -308,5 +317,5 @@ def merge_pruning(infos: list[dict], bnds: list[tuple[int, int]], cfg: Any) -> d
         "protected": shifted_ids(infos, bnds, "protected"),
         "empty_experts": shifted_ids(infos, bnds, "empty_experts"),
     }
-    rest = {k: v for k, v in infos[0].items() if k not in out}
+    rest = {k: v for k, v in infos[0].items() if k not in out and k != KEPT_NEURONS}
     return {**out, **rest}

@@ -263,5 +263,5 @@ def _workspace(layer: MoELayer, cfg: RtnConfig) -> int:
 
 SPEC = PassSpec(
     "rtn", RtnConfig, rtn, emits=_emits, check=check_quantizable, summarize=lambda infos, cfg: summarize_rtn(infos, cfg),
-    chunking=Chunking("expert", merge=merge_rtn), workspace=_workspace,
+    chunking=Chunking("expert", merge=merge_rtn), workspace=_workspace, alters=frozenset({"weights"}),
 )

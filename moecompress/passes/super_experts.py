@@ -144,4 +144,5 @@ def _emits(layer: MoELayer, cfg: SuperExpertsConfig) -> MoELayer:
 SPEC = PassSpec(
     "protect_super_experts", SuperExpertsConfig, protect_super_experts, needs=NEEDS, emits=_emits, check=_check,
     plan=_plan, protects=lambda d: [*d["auto"], *d["manual"]], summarize=_summarize, chunking=Chunking("select"),
+    alters=frozenset(),
 )  # fmt: skip

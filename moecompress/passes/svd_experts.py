@@ -197,5 +197,5 @@ def summarize_svd(infos: dict[int, dict], cfg: SvdExpertsConfig) -> dict:
 SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
-    on_device=True, workspace=_workspace,
+    on_device=True, workspace=_workspace, alters=frozenset({"weights"}),
 )  # fmt: skip

@@ -277,7 +277,9 @@ def _workspace(layer: MoELayer) -> int:
 
 SPEC = PassSpec(
     "tdmoe", TdmoeConfig, tdmoe, needs=ALL_NEEDS | {"io_sample"}, emits=_emits, check=_check, plan=_plan,
+    plans=lambda cfg: cfg.budget == "adaptive",
     needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
     | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
     summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=lambda layer, cfg: _workspace(layer),
+    alters=frozenset({"weights"}),
 )  # fmt: skip

@@ -1,0 +1,141 @@
+"""Statistics follow the layer (issue 34): after a step that changes a layer, the statistics a later step
+reads equal those of a fresh calibration of the intermediate checkpoint; what cannot follow is refused
+in the dry run, in one line, before any token is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import save_tiny
+
+import moecompress as mc
+from moecompress.engine.spec import PassConfig, PassSpec
+from moecompress.errors import RecipeError
+
+CAL = {"source": "random", "samples": 6, "seq_len": 16, "batch_size": 2, "sample_tokens": 48}
+SEEN: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+
+
+class _RecordCfg(PassConfig):
+    tag: str = "x"
+
+
+def _record(layer, stats, cfg):
+    """Test-only: keeps the statistics it was given."""
+    SEEN.setdefault(cfg.tag, {})[layer.index] = {k: v.clone() for k, v in stats.items()}
+    return layer, {}
+
+
+def _recorder(needs) -> PassSpec:
+    return PassSpec("test_record", _RecordCfg, _record, needs=needs, report_only=True, alters=frozenset())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("follow") / "m"
+    save_tiny("qwen3_moe", path)  # 8 experts, top-2, width 32, hidden 64; MoE layers 0, 1, 2
+    return path
+
+
+def _recipe(model, out, steps, **cal):
+    return {"model": str(model), "output": str(out), "calibration": {**CAL, **cal}, "steps": steps}
+
+
+def _tol(t: torch.Tensor, tokens: int) -> float:
+    """float32 sums over ``tokens`` terms, in another order: a few ulps per term of the largest value."""
+    return 8 * torch.finfo(torch.float32).eps * tokens * max(float(t.abs().max()), 1e-12)
+
+
+def test_uniform_heapr_then_svd_experts_runs_and_loads(tmp_path, model):
+    """The crash of issue 34 (whitening.py: 512x24 and 32x32): svd_experts reads the pooled down-input
+    covariance of the neurons heapr kept."""
+    rec = _recipe(model, tmp_path / "out", [{"heapr": {"layout": "uniform", "ratio": 0.25}}, {"svd_experts": {}}])
+    assert mc.apply(rec, dry_run=True, progress=False).dry_run
+    res = mc.apply(rec, progress=False)
+    steps = res.report["steps"]
+    assert steps[1]["params_after"] < steps[1]["params_before"] < steps[0]["params_before"]
+    mc.load(tmp_path / "out")
+
+
+FIRST = {
+    "neurons_uniform": {"heapr": {"layout": "uniform", "ratio": 0.25}},
+    "neurons_ragged": {"neuron_prune": {"method": "magnitude", "ratio": 0.3, "scope": "layer"}},
+    "expert_subset": {"expert_prune": {"ratio": 0.25}},
+    "expert_map": {"namex": {"ratio": 0.25, "refine_steps": 0}},
+}
+READ = {
+    "neurons_uniform": {"act_sq_mean", "down_in_cov", "down_in_cov_pooled", "expert_in_cov", "expert_counts",
+                        "io_sample", "expert_out_gram", "input_cov"},
+    "neurons_ragged": {"act_sq_mean", "down_in_cov", "down_in_cov_pooled", "expert_in_sq_mean"},
+    "expert_subset": {"expert_in_cov", "down_in_cov", "expert_counts", "reap_saliency", "router_prob_mean",
+                      "act_sq_mean", "io_sample"},
+    "expert_map": {"expert_in_cov", "down_in_cov", "expert_counts", "expert_out_norm_mean", "down_out_absmax"},
+}  # fmt: skip
+RULES = {"neurons_uniform": "map", "neurons_ragged": "map", "expert_subset": "replay", "expert_map": "replay"}
+
+
+@pytest.mark.parametrize("case", sorted(FIRST))
+def test_followed_statistics_equal_a_fresh_calibration_of_the_intermediate(tmp_path, model, case):
+    """One test per rule: the statistics the second step reads (mapped, recomputed on the sample, or
+    replayed) equal those of calibrating the first step's output, on the first MoE layer (whose input the
+    first step does not change)."""
+    spec = _recorder(READ[case])
+    steps = [FIRST[case], {"test_record": {"tag": f"{case}-followed"}}]
+    plan = mc.apply(_recipe(model, tmp_path / "a", steps), passes=[spec], dry_run=True, progress=False)
+    assert plan.dry_run
+    mc.apply(_recipe(model, tmp_path / "a", [FIRST[case], {"identity": {}}, steps[1]]), passes=[spec], progress=False)
+    mc.apply(_recipe(model, tmp_path / "mid", [FIRST[case]]), progress=False)
+    fresh = [{"test_record": {"tag": f"{case}-fresh"}}]
+    mc.apply(_recipe(tmp_path / "mid", tmp_path / "b", fresh), passes=[spec], progress=False)
+    got, want = SEEN[f"{case}-followed"][0], SEEN[f"{case}-fresh"][0]
+    assert set(got) == set(want)
+    tokens = (CAL["samples"] - 1) * CAL["seq_len"]
+    for name in sorted(want):
+        a, b = got[name].double(), want[name].double()
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert (a - b).abs().max() <= _tol(b, tokens), (name, float((a - b).abs().max()))
+
+
+def test_the_rules_are_the_dry_runs(model):
+    from moecompress.engine import follow
+    from moecompress.engine.recipe import load_recipe, pass_table
+
+    for case, rule in RULES.items():
+        table = {**pass_table(), "test_record": _recorder(READ[case])}
+        rec = load_recipe(_recipe(model, "/tmp/x", [FIRST[case], {"test_record": {}}]), passes=table)
+        rules = follow.verdicts(rec.steps)[1]
+        assert rule in rules.values(), (case, rules)
+        assert rules.get("input_cov", "keep") == "keep"
+        extra = follow.extra_needs(rec.steps)
+        assert ("moe_inputs" in extra) == (rule == "replay"), (case, extra)
+
+
+REFUSED = [
+    ([{"namex": {"ratio": 0.25}}, {"heapr": {"scope": "layer"}}], "step 2 (heapr) reads statistic 'grad_sq_mean', "
+     "which step 1 (namex) changes"),
+    ([{"expert_prune": {}}, {"svd_experts": {"whitening": "output"}}], "step 2 (svd_experts) reads statistic"),
+    ([{"heapr": {"layout": "uniform"}}, {"protect_super_experts": {}}], "step 2 (protect_super_experts) decides "
+     "across layers"),
+    ([{"rtn": {}}, {"attribute_routing": {}}], "step 2 (attribute_routing) reads statistic 'route_attrib'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("steps", "words"), REFUSED, ids=range(len(REFUSED)))
+def test_what_cannot_follow_is_refused_in_the_dry_run(tmp_path, model, steps, words):
+    rec = _recipe(model, tmp_path / "out", steps)
+    with pytest.raises(RecipeError) as err:
+        mc.apply(rec, dry_run=True, progress=False)
+    msg = str(err.value)
+    assert words in msg and "\n" not in msg and ("put " in msg or "use " in msg), msg
+    with pytest.raises(RecipeError):
+        mc.apply(rec, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "refused before calibration: nothing written"
+
+
+def test_following_statistics_hold_the_layer_whole(tmp_path, model):
+    """Replayed statistics need the whole layer: an explicit expert_chunk is refused in the dry run."""
+    steps = [{"expert_prune": {"ratio": 0.25}}, {"neuron_prune": {"method": "wanda"}}]
+    with pytest.raises(RecipeError, match="held whole, but expert_chunk: 4 holds it by chunks"):
+        mc.apply({**_recipe(model, tmp_path / "out", steps), "expert_chunk": 4}, dry_run=True, progress=False)
+    assert mc.apply(_recipe(model, tmp_path / "out", steps), dry_run=True, progress=False).report["dry_run"][
+        "expert_chunk"] == {}
