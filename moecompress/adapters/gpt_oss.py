@@ -17,6 +17,8 @@ from moecompress.errors import LayoutError
 from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 
+GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss reference implementation
+
 
 class GptOssAdapter(Adapter):
     model_type = "gpt_oss"
@@ -77,8 +79,9 @@ class GptOssAdapter(Adapter):
                 "down": rows(f"{p}.experts.down_proj_bias", start, stop),
             },
             act=Act.SWIGLU_CLAMPED,
-            alpha=float(self.config.swiglu_alpha),
-            limit=float(self.config.swiglu_limit),
+            # transformers before 5.2x had no config fields and used gpt-oss' published constants
+            alpha=float(getattr(self.config, "swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)),
+            limit=float(getattr(self.config, "swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
         )
 
     def router_tensors(
