@@ -12,8 +12,9 @@ line, and a refused recipe is reported and skipped, not fatal):
    ``act_sq_mean``/``grad_sq_mean``, ``svd_experts`` alone the forward's ``input_cov``/``down_in_cov_pooled``;
 2. every pass marked ``on_device`` (``PassSpec.on_device``: ``svd_experts``) and ``heapr`` give the same
    output on both devices: the output loads and its logits' relative difference is printed;
-3. time of calibration + ``svd_experts`` on a larger synthetic checkpoint, CPU vs the device (``--small``:
-   a quarter of the shape).
+3. time of calibration + ``svd_experts`` on a larger synthetic checkpoint, CPU vs the device
+   (``--timing-scale s`` divides its sizes by ``s``; ``--small`` is ``s = 4``; at ``s = 1`` the CPU side
+   takes minutes on one core).
 
 (``heapr`` followed by ``svd_experts`` in one recipe is refused by the dry run: heapr's non-uniform prune
 leaves ragged experts that svd_experts cannot factorise, so the two run as separate recipes.) A check that
@@ -99,9 +100,9 @@ def compare(root: Path, model_type: str, name: str, device: str) -> dict:
             "seconds_device": round(t_got, 2)}  # fmt: skip
 
 
-def timing(root: Path, device: str, small: bool) -> dict:
-    """Calibration (forward statistics) and svd_experts on a mid-sized Qwen3-MoE, CPU and ``device``."""
-    f = 4 if small else 1
+def timing(root: Path, device: str, f: int) -> dict:
+    """Calibration (forward statistics) and svd_experts on a mid-sized Qwen3-MoE (sizes divided by ``f``),
+    CPU and ``device``."""
     hidden, inter, experts, samples, seq = 1024 // f, 512 // f, 64 // f, 64 // f, 256 // f
     model = root / "mid"
     save_tiny("qwen3_moe", model, hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="device compared with the CPU (default cuda; cpu: smoke run)")
     ap.add_argument("--models", default=",".join(MODEL_TYPES), help="comma-separated model types")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of {sorted(RECIPES)}")
-    ap.add_argument("--small", action="store_true", help="the timing check at a quarter of the shape")
+    ap.add_argument("--timing-scale", type=int, default=1, help="divide the timing check's sizes by this")
+    ap.add_argument("--small", action="store_true", help="--timing-scale 4")
     ap.add_argument("--no-timing", action="store_true", help="skip the timing check")
     ap.add_argument("--budget-s", type=float, default=240.0, help="checks not started by then are skipped")
     args = ap.parse_args(argv)
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, failed = time.perf_counter(), 0
     jobs = [(f"{mt}/{n}", compare, (mt, n, args.device)) for mt in args.models.split(",") if mt for n in names]
     if not args.no_timing:
-        jobs.append(("timing", timing, (args.device, args.small)))
+        jobs.append(("timing", timing, (args.device, 4 if args.small else max(1, args.timing_scale))))
     with tempfile.TemporaryDirectory() as tmp:
         for label, fn, fargs in jobs:
             if time.perf_counter() - t0 > args.budget_s:
