@@ -304,8 +304,10 @@ def test_batched_kmeans_sorted_assignment_is_nearest_and_results_do_not_depend_o
 def test_learned_rotation_equals_the_torch_parametrisation_it_replaced():
     """``learn_rotation`` forms only ``x Wᵀ`` of the Cayley-parametrised ``W`` (no ``H × H`` solve with
     ``H`` right-hand sides): with no step it returns the reference's rotation bit for bit, its first loss
-    is the reference's exactly, and 40 Adam steps follow the same trajectory to float32 rounding (Adam
-    amplifies rounding in the near-zero gradients, hence the tolerances) to an equally good rotation."""
+    is the reference's exactly, 10 Adam steps follow the same trajectory to float32 rounding, and 40 steps
+    reach an equally good rotation. Longer trajectories are not compared entry by entry: the fake
+    quantiser's rounding flips on float32 noise and Adam amplifies it, so 40 steps differ by 2e-3 with
+    ATen's AVX2/AVX-512 kernels and by 2.3e-2 with ATEN_CPU_CAPABILITY=default (10 steps: 5e-7, 2.3e-4)."""
     from moecompress.methods.rotation import learn_rotation_reference
 
     g = torch.Generator().manual_seed(3)
@@ -316,12 +318,14 @@ def test_learned_rotation_equals_the_torch_parametrisation_it_replaced():
     r_new, _ = learn_rotation(x, steps=0, init=r0)
     r_ref, _ = learn_rotation_reference(x, steps=0, init=r0)
     assert torch.equal(r_new, r_ref)
+    r_new, l_new = learn_rotation(x, steps=10, lr=2e-3, init=r0, seed=1)
+    r_ref, l_ref = learn_rotation_reference(x, steps=10, lr=2e-3, init=r0, seed=1)
+    assert l_new[0] == l_ref[0]
+    assert max(abs(a - b) / b for a, b in zip(l_new, l_ref)) < 5e-4
+    assert float((r_new - r_ref).abs().max()) < 2e-3
     r_new, l_new = learn_rotation(x, steps=40, lr=2e-3, init=r0, seed=1)
     r_ref, l_ref = learn_rotation_reference(x, steps=40, lr=2e-3, init=r0, seed=1)
-    assert l_new[0] == l_ref[0]
-    assert max(abs(a - b) / b for a, b in zip(l_new, l_ref)) < 5e-3
     assert l_new[-1] < 0.9 * l_new[0]  # it learns
-    assert float((r_new - r_ref).abs().max()) < 2e-2
     assert torch.allclose(r_new.T @ r_new, torch.eye(h, dtype=torch.float64), atol=1e-12)
     assert abs(quant_error(x.double() @ r_new, 4) - quant_error(x.double() @ r_ref, 4)) < 5e-3 * quant_error(
         x.double() @ r_ref, 4
