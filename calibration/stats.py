@@ -269,13 +269,13 @@ class StatsCollector:
             elif name == "expert_counts":
                 v = s
             elif name in ("act_sq_mean", "expert_in_sq_mean", "expert_out_norm_mean", "reap_saliency"):
-                v = s / per_expert.view(-1, *([1] * (s.dim() - 1)))
+                v = s / per_expert.to(s.device).view(-1, *([1] * (s.dim() - 1)))  # counts live on the host
             elif name in ("down_in_cov", "expert_in_cov"):
-                v = s / per_expert.view(-1, 1, 1)
+                v = s / per_expert.to(s.device).view(-1, 1, 1)
             elif name == "down_in_cov_pooled":
                 v = s / max(float(routed.sum()), 1.0)
             elif name == "grad_sq_mean":
-                v = s / grad_routed.view(-1, 1)
+                v = s / grad_routed.to(s.device).view(-1, 1)
             elif name == "down_in_grad_cov_pooled":
                 v = s / max(float(grad_routed.sum()), 1.0)
             elif name == "out_grad_cov":
@@ -285,7 +285,7 @@ class StatsCollector:
             if name in self.names:
                 out[name] = v.float().cpu()
         for key, (best, chan) in self._absmax.items():
-            out[f"{key}_absmax"], out[f"{key}_argmax"] = best.clone(), chan.clone()
+            out[f"{key}_absmax"], out[f"{key}_argmax"] = best.cpu().clone(), chan.cpu().clone()
         for key, parts in self._io.items():
             if parts and key != "gram_x":
                 out[key] = torch.cat(parts)
