@@ -120,3 +120,19 @@ def test_unknown_format_version_is_a_clear_error(tmp_path):
     (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(mc.CheckpointError, match="format 99 is newer"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_dtype_reaches_the_compressed_experts(tmp_path, dtype):
+    """``load(dtype=)`` casts the stored floating tensors of compressed experts as transformers casts its
+    own weights (it skips quantizer modules); integer codes stay as stored."""
+    save_tiny("qwen3_moe", tmp_path / "m", dtype=torch.float16)
+    rec = {"model": str(tmp_path / "m"), "output": str(tmp_path / "o"), "steps": [{"rtn": {"bits": 4}}],
+           "calibration": {"source": "none"}}  # fmt: skip
+    mc.apply(rec, progress=False)
+    model = mc.load(tmp_path / "o", dtype=dtype)
+    mods = [m for m in model.modules() if isinstance(m, CompressedExperts)]
+    assert mods
+    kinds = {t.dtype for m in mods for t in [*m.parameters(), *m.buffers()]}
+    assert getattr(torch, dtype) in kinds and torch.float16 not in kinds
+    assert any(not k.is_floating_point for k in kinds)  # the packed codes

@@ -61,6 +61,8 @@ def load(
         )
     if adapter is not None:
         refuse_missing(adapter, info.get("missing_keys", ()), directory)
+    if "dtype" in kwargs:
+        cast_compressed(model, kwargs["dtype"])
     from moecompress.runtime.lora_mixer import attach_adapters
 
     attach_adapters(model, directory)  # routed LoRA adapters (lora_heal target: attention_routed), if stored
@@ -92,6 +94,18 @@ def hub_kernel_free(directory: Path, device: torch.device, dequantize: bool) -> 
 
 def _is_hub_kernel_error(err: Exception) -> bool:
     return "kernel" in str(err).lower()
+
+
+def cast_compressed(model, dtype: torch.dtype) -> None:
+    """Cast the floating tensors of every compressed experts module (rows, centroids, scales, factors,
+    biases) to ``dtype``, as ``from_pretrained(dtype=)`` does for transformers' own weights and skips for
+    quantizer modules; integer codes stay as stored. Without it a float32 model kept bfloat16 experts and
+    its CUDA kernels computed in bfloat16."""
+    from moecompress.runtime.quantizer import CompressedExperts
+
+    for m in model.modules():
+        if isinstance(m, CompressedExperts):
+            m.to(dtype)
 
 
 def set_dequantize(model, dtype: str | None) -> int:
