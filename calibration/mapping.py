@@ -1,7 +1,8 @@
 """What each statistic depends on in an MoE layer, and the exact maps of a neuron subset.
 
 A recipe step changes parts of a layer (``PassSpec.alters``): ``routing`` (router rows, which experts
-exist or which physical expert a token reaches, a routing policy), ``neurons`` (each expert keeps a
+exist or which physical expert a token reaches; stored routing policies are applied when the model is
+served, not in the calibration forward), ``neurons`` (each expert keeps a
 subset of its neurons), ``weights`` (expert weight values), ``shared`` (the shared expert). The MoE
 block's input never changes within a layer. :data:`DEPENDS` says, per statistic of the catalogue,
 which of these parts it is a function of (given the layer's input): a statistic whose parts no earlier

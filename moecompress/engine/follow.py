@@ -54,12 +54,13 @@ def verdicts(steps: Sequence[Any]) -> list[dict[str, str]]:
             continue
         rules: dict[str, str] = {}
         for name in sorted(step.needs):
+            if name in stale and _refusal(name):
+                raise RecipeError(_why(step, stale[name], name))
+        for name in sorted(step.needs):
             by = stale.get(name, mapped.get(name))
             if by is None:
                 rules[name] = "keep"
                 continue
-            if name in stale and _refusal(name):
-                raise RecipeError(_why(step, by, name))
             if step.spec.plans_for(step.config):
                 raise RecipeError(
                     f"{step.label} decides across layers (a plan) from statistic {name!r}, which {by.label} "

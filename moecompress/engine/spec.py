@@ -46,7 +46,7 @@ Fields of a spec:
   (``RunContext.expert_chunks``, :mod:`moecompress.engine.chunks`); ``None``: the step needs every expert
   at once and is refused on such a layer in the dry run.
 - ``alters``: what the step changes in a layer (:data:`ALTERS`; a set, or ``cfg -> set``): ``routing``
-  (router rows, which experts exist or which physical expert a token reaches, a routing policy),
+  (router rows, which experts exist or which physical expert a token reaches),
   ``neurons`` (neuron subsets of the experts; the pass lists each expert's kept neurons in
   ``info[KEPT_NEURONS]``), ``weights`` (routed-expert weight values), ``shared`` (the shared expert).
   Later steps' statistics follow it (:mod:`moecompress.engine.follow`). ``None``: anything but the

@@ -55,4 +55,4 @@ def capacity_drop(layer: MoELayer, stats: LayerStats, cfg: CapacityDropConfig) -
     }
 
 
-SPEC = PassSpec("capacity_drop", CapacityDropConfig, capacity_drop, check=_check, alters=frozenset({"routing"}))
+SPEC = PassSpec("capacity_drop", CapacityDropConfig, capacity_drop, check=_check, alters=frozenset())

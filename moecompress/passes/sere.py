@@ -102,5 +102,5 @@ def _summarize(infos: dict[int, dict], cfg: SereConfig) -> dict:
 
 
 SPEC = PassSpec(
-    "sere", SereConfig, sere, needs={"io_sample"}, emits=_emits, summarize=_summarize, alters=frozenset({"routing"})
+    "sere", SereConfig, sere, needs={"io_sample"}, emits=_emits, summarize=_summarize, alters=frozenset()
 )
