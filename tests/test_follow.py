@@ -139,3 +139,25 @@ def test_following_statistics_hold_the_layer_whole(tmp_path, model):
         mc.apply({**_recipe(model, tmp_path / "out", steps), "expert_chunk": 4}, dry_run=True, progress=False)
     assert mc.apply(_recipe(model, tmp_path / "out", steps), dry_run=True, progress=False).report["dry_run"][
         "expert_chunk"] == {}
+
+
+PIPELINES = ["expert_prune_gptq", "heapr_gptq", "namex_rtn", "prune_then_quantize"]
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_prune_then_quantize_recipes_run_and_load(tmp_path, model, name):
+    """The recipes of the pipelines users run (recipes/), on the tiny checkpoint with a small calibration."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml"
+    overrides = [f"model={model}", f"output={tmp_path / 'out'}", "calibration.source=random",
+                 "calibration.samples=6", "calibration.seq_len=16", "calibration.sample_tokens=48",
+                 "calibration.batch_size=2"]  # fmt: skip
+    if name in ("heapr_gptq", "prune_then_quantize"):
+        overrides.append("steps.2.align=8")  # the tiny experts are 32 wide
+    if name == "prune_then_quantize":
+        overrides.append("steps.3.finetune_steps=2")
+    mc.apply(path, overrides, progress=False)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(mc.load(tmp_path / "out")(ids).logits).all()
