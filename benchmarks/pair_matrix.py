@@ -69,6 +69,14 @@ FAST = [
 """The natural chains of issue 34 (the default suite's subset)."""
 
 
+def triples(n: int = 40, seed: int = 34) -> list[tuple[str, str, str]]:
+    """A fixed sample of ``n`` ordered triples of :data:`COMMON` steps (no step twice in a row)."""
+    import random
+
+    pool = [(a, b, c) for a in COMMON for b in COMMON for c in COMMON if a != b and b != c]
+    return random.Random(seed).sample(pool, n)
+
+
 def classify(model: Path, steps: list[dict], out: Path) -> tuple[str, str]:
     """``(verdict, detail)`` of one recipe on one checkpoint (module docstring)."""
     import torch
@@ -101,27 +109,27 @@ def classify(model: Path, steps: list[dict], out: Path) -> tuple[str, str]:
     return "run", ""
 
 
-def _one(args: tuple[str, str, str, str]) -> dict:
-    arch, a, b, root = args
+def _one(args: tuple) -> dict:
+    arch, chain, root = args
     model = Path(root) / arch
     work = Path(tempfile.mkdtemp(dir=root))
     t0 = time.perf_counter()
     try:
-        verdict, detail = classify(model, [STEPS[a], STEPS[b]], work / "out")
+        verdict, detail = classify(model, [STEPS[x] for x in chain], work / "out")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"arch": arch, "pair": [a, b], "verdict": verdict, "detail": detail[:400],
+    return {"arch": arch, "pair": list(chain), "verdict": verdict, "detail": detail[:400],
             "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
 
 
-def matrix(archs: list[str], pairs: list[tuple[str, str]], root: Path, workers: int = 1) -> list[dict]:
-    """Every pair on every architecture (tiny checkpoints saved under ``root``)."""
+def matrix(archs: list[str], pairs: list[tuple[str, ...]], root: Path, workers: int = 1) -> list[dict]:
+    """Every chain (pair or triple) on every architecture (tiny checkpoints saved under ``root``)."""
     from moecompress.testing import save_tiny
 
     for arch in archs:
         if not (root / arch).exists():
             save_tiny(arch, root / arch)
-    todo = [(arch, a, b, str(root)) for arch in archs for a, b in pairs]
+    todo = [(arch, chain, str(root)) for arch in archs for chain in pairs]
     if workers <= 1:
         return [_one(t) for t in todo]
     with ProcessPoolExecutor(workers) as pool:
@@ -141,14 +149,15 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", default=["qwen3_moe", "deepseek_v3"], help="model types, or all")
-    p.add_argument("--steps", choices=["all", "common", "fast"], default="all",
-                   help="every built-in step (STEPS), the 14 common ones (COMMON), or the natural chains (FAST)")
+    p.add_argument("--steps", choices=["all", "common", "fast", "triples"], default="all",
+                   help="pairs of every built-in step (STEPS), of the 14 common ones (COMMON), the natural chains "
+                   "(FAST), or 40 sampled triples of common steps")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     a = p.parse_args()
     archs = MODEL_TYPES if a.arch == ["all"] else a.arch
     names = COMMON if a.steps == "common" else list(STEPS)
-    pairs = FAST if a.steps == "fast" else [(x, y) for x in names for y in names]
+    pairs = {"fast": FAST, "triples": triples()}.get(a.steps) or [(x, y) for x in names for y in names]
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         rows = matrix(archs, pairs, Path(root), a.workers)

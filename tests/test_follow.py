@@ -161,3 +161,16 @@ def test_prune_then_quantize_recipes_run_and_load(tmp_path, model, name):
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(mc.load(tmp_path / "out")(ids).logits).all()
+
+
+def test_kept_inputs_are_counted_in_the_dry_run(tmp_path, model):
+    """The replay's calibration inputs: in the calibration memory and the statistics of each step."""
+    base = mc.apply(_recipe(model, tmp_path / "a", [{"expert_prune": {}}, {"rtn": {}}]), dry_run=True,
+                    progress=False).report["dry_run"]  # fmt: skip
+    plan = mc.apply(_recipe(model, tmp_path / "b", [{"expert_prune": {}}, {"gptq": {}}]), dry_run=True,
+                    progress=False).report["dry_run"]  # fmt: skip
+    kept = (CAL["samples"] - 1) * CAL["seq_len"] * 64 * 4  # tokens x hidden float32
+    assert "moe_inputs" in plan["statistics"] and "moe_inputs" not in base["statistics"]
+    assert plan["moe_inputs_cache_bytes"] == 3 * kept
+    assert plan["calibration_memory_bytes"] - base["calibration_memory_bytes"] >= 2 * kept
+    assert plan["step_memory"]["step 2 (gptq)"]["stats_bytes"] >= kept

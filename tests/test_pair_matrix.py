@@ -69,3 +69,14 @@ def test_every_pair_of_built_in_steps(models, tmp_path, arch, a):
         if verdict not in ("run", "refused"):
             bad.append(f"{a} -> {b}: {verdict}: {detail.strip().splitlines()[-1] if detail.strip() else ''}")
     assert not bad, f"{arch}: " + "; ".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_sampled_triples(models, tmp_path, arch):
+    bad = []
+    for n, chain in enumerate(pm.triples()):
+        verdict, detail = pm.classify(models(arch), [pm.STEPS[x] for x in chain], tmp_path / str(n))
+        if verdict not in ("run", "refused"):
+            bad.append(f"{chain}: {verdict}: {detail.strip().splitlines()[-1] if detail.strip() else ''}")
+    assert not bad, f"{arch}: " + "; ".join(bad)

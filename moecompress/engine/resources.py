@@ -106,6 +106,10 @@ def estimate(
         held = STEP_BASE_BYTES + tokens * 8 + (0 if on_disk else store) + act + vocab * hidden * size
         mem = max(mem, held + max(act + logits, in_layer + act))
     out = {"calibration_memory_bytes": mem, "calibration_layer_bytes": layer_mem, "backward_disk_bytes": disk}
+    if "moe_inputs" in set(recipe.needs):  # kept (float32) for a replay of changed layers: engine/follow.py
+        kept = (c.samples - c.holdout_samples) * c.seq_len * hidden * 4
+        out.update(calibration_memory_bytes=out["calibration_memory_bytes"] + 2 * kept,
+                   moe_inputs_cache_bytes=kept * len(ckpt.moe_layer_indices))  # fmt: skip
     if "route_attrib" in set(recipe.needs):  # the routing-attribution trace (calibration/trace.py)
         trace = trace_bytes(n_layers, len(ckpt.moe_layer_indices), min(ATTRIB_TOKENS, tokens), hidden,
                             int(cfg.get("num_experts_per_tok") or 1))  # fmt: skip
