@@ -27,7 +27,7 @@ DEPENDS: dict[str, frozenset[str]] = {
     "expert_counts": frozenset({ROUTING}),
     "router_prob_mean": frozenset({ROUTING}),
     "router_entropy": frozenset({ROUTING}),
-    "router_sample": frozenset({ROUTING}),
+    "router_sample": frozenset(),  # the input checkpoint's router on these inputs: router_robustness's baseline
     "expert_in_sq_mean": frozenset({ROUTING}),
     "expert_in_cov": frozenset({ROUTING}),
     "act_sq_mean": _EXPERT,
