@@ -13,7 +13,7 @@ computed with at its full size, so memory and the reading work are those of the 
 
 For each MoE depth and each statistics set (``expert_prune`` reap's: forward only; ``heapr``'s: with the
 streamed backward), in a fresh process: ``moecompress.calibrate`` with ``expert_chunk: N`` (peak =
-``ru_maxrss``, wall, CPU), the dry run's calibration estimate for the same recipe, and what the dry run
+``VmHWM``, wall, CPU), the dry run's calibration estimate for the same recipe, and what the dry run
 estimates and decides for the same recipe with ``expert_chunk: off`` (not run: it needs more memory than
 this machine has). One JSON line per measurement.
 """
@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import struct
 import subprocess
@@ -32,6 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from moecompress.engine.peak import peak_rss_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_scale import _layer_of, _meta_shapes, _per_expert
@@ -105,9 +106,10 @@ def build(path: Path, moe_layers: int) -> dict:
 
 
 WORKER = r"""
-import json, resource, sys, time
+import json, sys, time
 import moecompress as mc
 from moecompress.engine import resources
+from moecompress.engine.peak import peak_rss_bytes
 from moecompress.engine.dry_run import dry_run
 rec, chunk = json.loads(sys.argv[1]), sys.argv[2]
 ckpt = mc.open_checkpoint(rec["model"])
@@ -122,11 +124,11 @@ for mode in ("off", chunk):
         verdict = str(err)
     est[mode] = {"calibration_estimate": plan["calibration_memory_bytes"], "layer": plan["calibration_layer_bytes"],
                  "verdict": verdict}
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak_rss_bytes()
 t, c = time.perf_counter(), time.process_time()
 mc.calibrate({**rec, "expert_chunk": int(chunk)}, progress=False)
 print(json.dumps({"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c, "base": base,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "estimates": est}))
+                  "peak": peak_rss_bytes(), "estimates": est}))
 """
 
 
@@ -169,7 +171,7 @@ def main() -> None:
                 print(json.dumps(build(path, n)), flush=True)
             row = measure(path, root, stats, args.chunk, args.samples, args.seq_len)
             print(json.dumps({"moe_layers": n, **row}), flush=True)
-    print(json.dumps({"driver_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+    print(json.dumps({"driver_peak_rss_gib": round(peak_rss_bytes() / 2**30, 2)}))
 
 
 if __name__ == "__main__":

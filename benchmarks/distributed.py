@@ -43,11 +43,11 @@ WORKER = r"""
 import json, os, resource, sys
 from moecompress.engine.distributed import Launch
 from moecompress.engine.executor import apply
+from moecompress.engine.peak import peak_rss_bytes
 rep = apply(sys.argv[1], launch=Launch.from_env(os.environ), progress=False).report
 loop = rep["layer_loop"]["peak_rss_mb"] if "layer_loop" in rep else rep["peak_rss_mb"]
 u = resource.getrusage(resource.RUSAGE_SELF)
-hwm = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:")]
-print("BENCH " + json.dumps({"peak": hwm[0] if hwm else u.ru_maxrss * 1024, "cpu": u.ru_utime + u.ru_stime,
+print("BENCH " + json.dumps({"peak": peak_rss_bytes(), "cpu": u.ru_utime + u.ru_stime,
                              "loop_peak": loop * 2**20}), flush=True)
 """
 """Peak RSS is ``VmHWM`` (this process's own high-water mark): Linux keeps ``ru_maxrss`` across ``fork`` and

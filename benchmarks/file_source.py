@@ -6,7 +6,7 @@ range and tokenises only those (``sampled``). ``whole`` is the path every split 
 token stream; it is run here with the module's own helpers (``_texts``, ``_split_text``,
 ``_tokenise``, ``_windows``), the same code the old ``load_token_ids`` ran.
 
-Each measurement runs in a fresh interpreter (``ru_maxrss`` of that process; the baseline is the
+Each measurement runs in a fresh interpreter (``VmHWM`` of that process, :func:`moecompress.engine.peak.peak_rss_bytes`; the baseline is the
 peak after importing torch and transformers and loading the tokenizer, before any text is read). CPU
 time is ``time.process_time()`` (the machine is shared, so wall time is printed but not compared).
 
@@ -25,13 +25,14 @@ from pathlib import Path
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 WORKER = r"""
-import json, resource, sys, time
+import json, sys, time
 mode, source, model, samples, seq_len, seed, split = sys.argv[1:8]
 samples, seq_len, seed = int(samples), int(seq_len), int(seed)
 import torch, transformers  # noqa: F401
 from moecompress.calibration import sources
+from moecompress.engine.peak import peak_rss_bytes
 tok = sources._load_tokenizer(sources.Path(model))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak_rss_bytes()
 t0, c0 = time.perf_counter(), time.process_time()
 if mode == "sampled":
     ids = sources.load_token_ids(source, model_dir=model, samples=samples, seq_len=seq_len, seed=seed, split=split)
@@ -40,7 +41,7 @@ else:  # the whole-text path (before issue 18): every file read and tokenised
     texts = [sources._split_text(text, split) for _, text in sources._texts(spec)]
     ids = sources._windows(sources._tokenise(tok, texts), samples, seq_len, seed, what=source)
 out = {"cpu": time.process_time() - c0, "wall": time.perf_counter() - t0, "base": base,
-       "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "shape": list(ids.shape),
+       "peak": peak_rss_bytes(), "shape": list(ids.shape),
        "min": int(ids.min()), "max": int(ids.max()), "text": tok.decode(ids[0].tolist())[:60]}
 print(json.dumps(out))
 """

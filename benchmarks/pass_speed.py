@@ -8,7 +8,7 @@ statistics with the ``‖MoE(x)‖² / 2T`` stand-in loss), with ``io_sample`` o
 tokens gives; only the number of tokens averaged differs, which no pass's cost depends on (the passes
 read accumulated means, covariances and the bounded sample).
 
-Each pass runs in its own subprocess (``--one NAME``), so that its peak RSS (``ru_maxrss``, which includes
+Each pass runs in its own subprocess (``--one NAME``), so that its peak RSS (``VmHWM``, which includes
 the ~1.2 GB layer and the statistics it reads) is its own, under ``--timeout`` seconds of wall time.
 Reported per pass: ``thread_time`` of the pass call (CPU seconds of the main thread; torch's intra-op
 threads are not counted there, so ``process_time`` is given as well), wall seconds, and peak RSS.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -92,6 +91,7 @@ def prepare(work: Path, tokens: int) -> None:
 
 def one(name: str, work: Path) -> dict:
     from moecompress.calibration.catalogue import tensor_names
+    from moecompress.engine.peak import peak_rss_bytes
     from moecompress.engine.spec import LayerStats
     from moecompress.passes import BUILTIN_PASSES
 
@@ -104,7 +104,7 @@ def one(name: str, work: Path) -> dict:
         with safe_open(str(work / "stats.safetensors"), "pt") as f:
             names = tensor_names(needs)
             available = {k: f.get_tensor(k) for k in f.keys() if k in names}
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_rss = peak_rss_bytes()
     t_thread, t_proc, t_wall = time.thread_time(), time.process_time(), time.perf_counter()
     plan = None
     if spec.plan is not None:
@@ -117,8 +117,8 @@ def one(name: str, work: Path) -> dict:
         "thread_s": time.thread_time() - t_thread,
         "process_s": time.process_time() - t_proc,
         "wall_s": time.perf_counter() - t_wall,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_before_mib": base_rss / 1024,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "rss_before_mib": base_rss / 2**20,
     }
 
 

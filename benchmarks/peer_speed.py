@@ -21,7 +21,7 @@ codequant/gptq  ``codequant: {bits: 4}``              ``GPTQModifier(scheme="W4A
 Both quantise the routed experts only (the peer ignores attention, routers and ``lm_head``). Each
 compression runs in its own subprocess (llm-compressor in its own venv, ``--peer-python``; it is never a
 dependency of moecompress); reported: wall seconds of that subprocess (reading, compressing and writing
-the output; interpreter start included on both sides) and its peak RSS (``ru_maxrss``), and its CPU seconds (user + system, all threads; the fairer figure
+the output; interpreter start included on both sides) and its peak RSS (``VmHWM``, read by the child itself: ``ru_maxrss`` carries the driver's peak across ``fork`` and ``exec``), and its CPU seconds (user + system, all threads; the fairer figure
 when other jobs share the cores). The pairs run
 back to back, interleaved (ours, peer, ours, peer ...), ``--reps`` times; the table gives the min over
 the repetitions, and ``uptime`` before and after says how loaded the (shared) machine was.
@@ -38,6 +38,7 @@ the repetitions, and ``uptime`` before and after says how loaded the (shared) ma
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -50,6 +51,18 @@ from pathlib import Path
 REF_TOKENIZER = Path("/work/shared/data/models/ref-qwen3moe/tokenizer.json")
 PAIRS = ("rtn", "reap", "codequant")
 PEER_NAME = {"rtn": "RTN W4A16", "reap": "REAP", "codequant": "GPTQ W4A16"}
+PEAK = Path(__file__).resolve().parents[1] / "moecompress" / "engine" / "peak.py"
+
+
+def peak_rss_bytes() -> int:
+    """:func:`moecompress.engine.peak.peak_rss_bytes`, loaded from its file (standard library only): the
+    peer's venv has no moecompress."""
+    spec = importlib.util.spec_from_file_location("_moecompress_peak", PEAK)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {PEAK}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.peak_rss_bytes()
 
 
 # --- peer side (llm-compressor's venv; imports nothing from moecompress) -------------------------------
@@ -110,7 +123,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     (run_peer if args.side == "peer" else run_ours)(args)
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_bytes() / 2**20
     print(json.dumps({"inner_wall_s": wall, "peak_rss_mib": rss}))
 
 
@@ -188,11 +201,13 @@ def spawn_pair(method: str, model: Path, root: Path, args) -> dict:
         r = {
             "wall_s": time.perf_counter() - t0,
             "cpu_s": ru.ru_utime + ru.ru_stime,
-            "peak_rss_mib": ru.ru_maxrss / 1024,
         }
         lines = (root / f"{side}-{method}.log").read_text().strip().splitlines() or ["?"]
         if proc.returncode:
             r["error"] = lines[-1][:300]
+        else:  # the child's own VmHWM (wait4's ru_maxrss includes the driver's peak at the fork)
+            mine = [json.loads(x) for x in lines if x.startswith('{"inner_wall_s"')]
+            r.update(mine[-1] if mine else {"error": "no result line in the child's log"})
         res[side] = r
     return res
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -24,16 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moecompress.engine.peak import peak_rss_bytes
+
 DSV3 = {"gate_proj": (2048, 7168), "up_proj": (2048, 7168), "down_proj": (7168, 2048)}
-
-
-def hwm_mib() -> float:
-    """This process's peak RSS (``VmHWM``: reset by exec, unlike ``ru_maxrss``, which a child inherits)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def make(root: Path, experts: int) -> None:
@@ -105,7 +97,7 @@ def read(root: Path, which: str) -> dict:
     cpu = time.thread_time() - t0
     experts = len(names) / 3 if which != "mxfp4" else raw.shape(names[0] + "_blocks")[0]
     return {"format": which, "tensors": len(names), "experts": experts, "cpu_s_per_expert": cpu / experts,
-            "largest_tensor_mib": nbytes / 2**20, "peak_rss_mib": hwm_mib()}  # fmt: skip
+            "largest_tensor_mib": nbytes / 2**20, "peak_rss_mib": peak_rss_bytes() / 2**20}  # fmt: skip
 
 
 def main() -> None:
@@ -120,7 +112,7 @@ def main() -> None:
 
         import moecompress.io.quantized_ct  # noqa: F401
 
-        print(hwm_mib())
+        print(peak_rss_bytes() / 2**20)
         return
     if a.read:
         print(json.dumps(read(a.dir, a.read)))

@@ -14,7 +14,7 @@ tokens, its calibration and per-step memory estimates, and what the dry run deci
 **gptoss**: gpt-oss-120b's MoE shapes (hidden 2880, 128 experts of width 2880, top-4), MXFP4 experts
 (``*_blocks`` / ``*_scales``, random codes and exponents), bf16 attention (64 heads of 64, 8 KV heads) and a
 small vocabulary, 2 MoE layers; then ``expert_prune``, ``rtn`` and ``heapr`` each in a fresh process:
-peak RSS (``ru_maxrss``), wall time, bytes read (``/proc/self/io`` ``rchar``) and written (the output's
+peak RSS (``VmHWM``), wall time, bytes read (``/proc/self/io`` ``rchar``) and written (the output's
 size on disk), and the extrapolation to the full model (36 MoE layers: per-layer time x 36; memory does not
 grow with depth).
 
@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -77,7 +76,9 @@ def _layer_of(name: str) -> int:
     return -1 if m is None else int(m.group(1))
 
 
-def deepseek_checkpoint(root: Path, moe_layers: int = 2, experts: int = 256, vocab: int | None = None) -> Path:
+def deepseek_checkpoint(
+    root: Path, moe_layers: int = 2, experts: int = 256, vocab: int | None = None
+) -> Path:
     """The sparse DeepSeek-V3-shaped FP8 checkpoint (the dense first layer and ``moe_layers`` MoE layers);
     ``experts`` < 256 keeps every shape but the routed-expert count (``n_group`` 8, ``topk_group`` 4)."""
     from moecompress.io.writer import safetensors_header
@@ -85,8 +86,12 @@ def deepseek_checkpoint(root: Path, moe_layers: int = 2, experts: int = 256, voc
 
     extra = {} if vocab is None else {"vocab_size": vocab}
     cfg, shapes = _meta_shapes(
-        "deepseek_v3", num_hidden_layers=1 + moe_layers, first_k_dense_replace=1, tie_word_embeddings=False,
-        n_routed_experts=experts, **extra,
+        "deepseek_v3",
+        num_hidden_layers=1 + moe_layers,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+        n_routed_experts=experts,
+        **extra,
     )  # every other size is DeepSeek-V3's (transformers' defaults for the config are the release's)
     shapes = _per_expert(shapes)
     entries, total = [], 0
@@ -120,8 +125,15 @@ def deepseek_checkpoint(root: Path, moe_layers: int = 2, experts: int = 256, voc
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))  # fmt: skip
     raw = cfg.to_dict()
-    raw.update(torch_dtype="bfloat16", quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    raw.update(
+        torch_dtype="bfloat16",
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    )
     (path / "config.json").write_text(json.dumps(raw))
     used = sum(os.stat(p).st_blocks * 512 for p in path.glob("*.safetensors"))
     print(json.dumps({"checkpoint": path.name, "apparent_gib": round(total / GiB, 2), "shards": len(shards),
@@ -134,6 +146,7 @@ def deepseek(root: Path) -> None:
     import moecompress as mc
     from moecompress.engine import resources
     from moecompress.engine.dry_run import dry_run
+    from moecompress.engine.peak import peak_rss_bytes
 
     ckpt = mc.open_checkpoint(path)
     for name, cfg_step in STEPS.items():
@@ -153,7 +166,7 @@ def deepseek(root: Path) -> None:
                           "input_layer_gib": round(step["input_bytes"] / GiB, 1),
                           "dequantize_output": dry["dequantize_output"],
                           "available_gib": round((resources.available_memory() or 0) / GiB, 1), "verdict": verdict,
-                          "dry_run_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))  # fmt: skip
+                          "dry_run_peak_rss_gib": round(peak_rss_bytes() / 2**30, 2)}))  # fmt: skip
 
 
 def gptoss_checkpoint(path: Path, layers: int = 2) -> int:
@@ -172,7 +185,9 @@ def gptoss_checkpoint(path: Path, layers: int = 2) -> int:
                 e, rows, cols = shape[0], shape[2], shape[1]  # stored out-major: [E, out, in/32, 16]
                 for suffix, shp, lo, hi in (("_blocks", (e, rows, cols // 32, 16), 0, 256),
                                             ("_scales", (e, rows, cols // 32), 119, 124)):  # fmt: skip
-                    pieces = (torch.randint(lo, hi, (1, *shp[1:]), generator=g, dtype=torch.uint8) for _ in range(e))
+                    pieces = (
+                        torch.randint(lo, hi, (1, *shp[1:]), generator=g, dtype=torch.uint8) for _ in range(e)
+                    )
                     w.add_pieces(name + suffix, torch.uint8, shp, pieces)
                     total += math.prod(shp)
                 continue
@@ -193,12 +208,13 @@ def gptoss_checkpoint(path: Path, layers: int = 2) -> int:
 WORKER = r"""
 import json, resource, sys, time
 import moecompress as mc
+from moecompress.engine.peak import peak_rss_bytes
 rec = json.loads(sys.argv[1])
 t = time.perf_counter()
 mc.apply(rec, progress=False)
 wall = time.perf_counter() - t
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-print(json.dumps({"wall_s": wall, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"wall_s": wall, "peak": peak_rss_bytes(),
                   "read": int(io["rchar"]), "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime}))
 """
 
@@ -209,7 +225,15 @@ def gptoss(root: Path, steps: list[str], samples: int, seq_len: int, layers: int
     if not path.exists():
         t = time.perf_counter()
         size = gptoss_checkpoint(path, layers)
-        print(json.dumps({"checkpoint": path.name, "gib": round(size / GiB, 2), "build_s": round(time.perf_counter() - t, 1)}))
+        print(
+            json.dumps(
+                {
+                    "checkpoint": path.name,
+                    "gib": round(size / GiB, 2),
+                    "build_s": round(time.perf_counter() - t, 1),
+                }
+            )
+        )
     for name in steps:
         out = root / f"out-{name}"
         cal = {"source": "none"} if source == "none" else {**CAL, "samples": samples, "seq_len": seq_len}

@@ -8,8 +8,8 @@ One synthetic checkpoint: ``qwen3_moe`` with one decoder layer whose MoE block h
 vocabulary and attention. For each pass, two fresh processes: ``moecompress.calibrate`` (its peak RSS
 against the dry run's ``calibration_memory_bytes``), then ``moecompress.apply`` reusing that statistics
 cache (its peak RSS against the largest ``step_memory`` of the dry run). Peak RSS is the child's
-``VmHWM`` (its own high-water mark: ``ru_maxrss`` carries the parent's peak across ``fork`` and ``exec``,
-which made every child report the 5.7 GiB of the process that built the checkpoint). Prints one JSON line per pass and a Markdown table; the acceptance is each estimate
+``VmHWM`` (:func:`moecompress.engine.peak.peak_rss_bytes`; ``ru_maxrss`` carries the parent's peak across
+``fork`` and ``exec``, which made every child report the 5.7 GiB of the process that built the checkpoint). Prints one JSON line per pass and a Markdown table; the acceptance is each estimate
 within 25 % of its measured peak.
 """
 
@@ -48,15 +48,15 @@ PASSES = {
 CAL = {"source": "random", "samples": 16, "seq_len": 128, "dtype": "bfloat16"}
 
 WORKER = r"""
-import json, resource, sys
+import json, sys
 import moecompress as mc
+from moecompress.engine.peak import peak_rss_bytes
 mode, rec = sys.argv[1], json.loads(sys.argv[2])
 if mode == "calibrate":
     mc.calibrate(rec, progress=False)
 else:
     mc.apply(rec, progress=False)
-hwm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")]
-print(json.dumps({"peak": hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"peak": peak_rss_bytes()}))
 """
 
 
@@ -72,9 +72,13 @@ def build(path: Path) -> None:
 
 def child(mode: str, rec: dict) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    out = subprocess.run([sys.executable, "-c", WORKER, mode, json.dumps(rec)], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, mode, json.dumps(rec)], capture_output=True, text=True, env=env
+    )
     if out.returncode:
-        raise RuntimeError(f"{mode} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        raise RuntimeError(
+            f"{mode} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
@@ -102,6 +106,8 @@ def main() -> None:
     ap.add_argument("--passes", nargs="*", default=list(PASSES))
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
+    from moecompress.errors import MoecompressError
+
     root = Path(args.workdir or tempfile.mkdtemp(prefix="step-memory-"))
     model = root / "model"
     if not model.exists():
@@ -110,7 +116,7 @@ def main() -> None:
     for name in args.passes:
         try:
             rows.append(measure(name, PASSES[name], model, root))
-        except RuntimeError as err:
+        except (RuntimeError, MoecompressError) as err:
             rows.append({"pass": name, "error": str(err)})
         print(json.dumps(rows[-1]), flush=True)
     print("\n| pass | calibration est. / peak (GiB) | step est. / peak (GiB) | est./peak (cal, step) |")

@@ -67,23 +67,9 @@ LAYER_FACTOR = 3
 WORKER = r"""
 import json, sys, time
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit(f"no {key} in /proc/self/status")
-
-def reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
 import torch, transformers  # noqa: F401
 import moecompress
+from moecompress.engine.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
 import moecompress.engine.executor, moecompress.engine.run, moecompress.calibration.skeleton  # noqa: F401
 import moecompress.calibration.sweep  # noqa: F401
 from moecompress.engine.spec import PassConfig, PassSpec
@@ -98,14 +84,14 @@ def grad_probe(layer, stats, cfg):
 PROBE = PassSpec("grad_probe", GradProbeConfig, grad_probe, needs={"grad_sq_mean", "act_sq_mean"}, report_only=True)
 
 mode, recipe_path = sys.argv[1], sys.argv[2]
-base = status("VmHWM")
+base = peak_rss_bytes()
 t0 = time.perf_counter()
 out = {"base": base}
 if mode == "apply":
     res = moecompress.apply(recipe_path, passes=[PROBE], progress=False)
     out["wall"] = time.perf_counter() - t0
-    out["peak"] = status("VmHWM")
-    out["rss_end"] = status("VmRSS")
+    out["peak"] = peak_rss_bytes()
+    out["rss_end"] = rss_bytes()
     rep = res.report
     out["report_peak_rss"] = rep.get("peak_rss_mb", 0.0) * 2**20
     out["checkpoint"] = rep.get("checkpoint")
@@ -125,13 +111,13 @@ elif mode == "phases":
     from moecompress.calibration.skeleton import Skeleton
 
     phases = []
-    can_reset = reset_peak()
+    can_reset = reset_peak_rss()
     out["peak_resettable"] = can_reset
 
     def mark(name):
-        phases.append({"phase": name, "peak": status("VmHWM"), "rss": status("VmRSS"),
+        phases.append({"phase": name, "peak": peak_rss_bytes(), "rss": rss_bytes(),
                        "t": round(time.perf_counter() - t0, 2)})
-        reset_peak()
+        reset_peak_rss()
 
     rec = load_recipe(recipe_path, passes=pass_table([PROBE]))
     mark("load_recipe")

@@ -40,18 +40,12 @@ MB = 1e6
 PROBE = r"""
 import gc, json, sys
 
-def peak():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit("no VmHWM in /proc/self/status")
-
 def touch(t):
     if t is not None:
         float(t.sum())
 
 import moecompress as mc
+from moecompress.engine.peak import peak_rss_bytes as peak
 
 mode, src = sys.argv[1], sys.argv[2]
 ckpt = mc.open_checkpoint(src)

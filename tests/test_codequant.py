@@ -22,7 +22,7 @@ from moecompress.layouts.ragged import Ragged
 from moecompress.methods.codebooks import rotate_bank
 from moecompress.methods.kmeans import kmeans_1d, nearest
 from moecompress.methods.rotation import hadamard, learn_rotation, quant_error
-from moecompress.passes.codequant import CodequantConfig, codequant
+from moecompress.passes.codequant import SPEC, CodequantConfig, codequant
 from moecompress.reference import moe_forward
 
 CAL = {"source": "random", "samples": 8, "seq_len": 32, "batch_size": 4}
@@ -128,6 +128,19 @@ def test_finetuning_lowers_the_block_error_and_the_reports_say_so():
     assert base["val_error_final"] == base["val_error_kmeans"] == tuned["val_error_kmeans"]
     assert tuned["val_error_final"] < 0.95 * tuned["val_error_kmeans"], tuned
     assert tuned["best_step"] > 0 and tuned["router_kl"] == 0.0  # full-precision router, same inputs
+
+
+def test_auto_rotation_is_learned_only_where_activations_are_quantised():
+    layer = _layer(5)
+    stats = LayerStats(0, {"io_sample_x": _inputs(128, 6)})
+    plain, info = codequant(layer, stats, CodequantConfig(bits=4, finetune_steps=0))
+    assert plain.experts.rotation is None and info["rotation"] == "none" and "act_error_learned" not in info
+    a4, info = codequant(
+        layer, stats, CodequantConfig(bits=4, finetune_steps=0, eval_act_bits=4, rotation_steps=3)
+    )
+    assert a4.experts.rotation is not None and info["rotation"] == "learned" and "act_error_learned" in info
+    meta = SPEC.emits(layer, CodequantConfig(bits=4))  # the dry run's shapes agree
+    assert meta.experts.rotation is None
 
 
 def test_activation_quantisation_is_stored_and_changes_only_the_rotated_inputs():
@@ -251,7 +264,7 @@ def test_shared_experts_are_quantised_stored_in_the_format_and_load(model_type, 
     src, out = tmp_path / "m", tmp_path / "out"
     save_tiny(model_type, src)
     mc.apply({"model": str(src), "output": str(out), "calibration": CAL,
-              "steps": [{"codequant": {"bits": 4, "finetune_steps": 3, "rotation_steps": 5}}]},
+              "steps": [{"codequant": {"bits": 4, "finetune_steps": 3, "rotation": "learned", "rotation_steps": 5}}]},
              progress=False)  # fmt: skip
     ckpt = mc.open_checkpoint(out)
     i = ckpt.moe_layer_indices[0]
@@ -287,6 +300,12 @@ def test_batched_kmeans_sorted_assignment_is_nearest_and_results_do_not_depend_o
     for step in range(4):  # incremental reassignment: only values between old and new cuts move
         c = c + (0.05 if step == 2 else 0.005) * torch.randn(c.shape, generator=g)  # step 2 reorders some
         assert torch.equal(rows.update(c), nearest(v, c)), step
+    # a cut that moves past its neighbour's old position (ranges overlap, the order unchanged)
+    grid = torch.linspace(-1, 3, 50).repeat(2, 1)
+    far = SortedRows(grid, code_dtype=torch.uint8)
+    far.assign(torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]))
+    moved = torch.tensor([[1.2, 2.0, 2.2], [0.0, 1.01, 2.0]])
+    assert torch.equal(far.update(moved), nearest(grid, moved).to(torch.uint8))
     whole = kmeans_1d(v, 4, seed=1)
     kept = kmeans_1d(v, 4, seed=1, keep_sorted=True)  # the Lloyd sort, reused: same results, same rows
     assert torch.equal(kept[0], whole[0]) and torch.equal(kept[1], whole[1])

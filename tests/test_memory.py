@@ -46,18 +46,12 @@ CONFIG = dict(
 PROBE = r"""
 import gc, json, sys
 
-def peak():  # VmHWM, not ru_maxrss (inherited from the parent across exec)
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit("no VmHWM in /proc/self/status")
-
 def touch(t):
     if t is not None:
         float(t.sum())
 
 import moecompress as mc
+from moecompress.engine.peak import peak_rss_bytes as peak  # VmHWM, not ru_maxrss (inherited across exec)
 
 mode, src = sys.argv[1], sys.argv[2]
 ckpt = mc.open_checkpoint(src)

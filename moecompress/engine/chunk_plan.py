@@ -60,7 +60,9 @@ def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int) -> bool:
     return i not in ckpt.layouts and able
 
 
-def calibration_cap(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit: int) -> int | None:
+def calibration_cap(
+    recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit: int, stats: dict[str, int] | None = None
+) -> int | None:
     """``auto``: the largest number of experts per chunk, the same for every chunkable MoE layer, with which
     calibration's estimate (:func:`resources.estimate`) fits ``limit``; ``None`` when calibration fits with
     whole layers (or cannot fit even by single experts: :func:`resources.check` then refuses it)."""
@@ -70,7 +72,7 @@ def calibration_cap(recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit:
 
     def need(n: int | None) -> int:
         cut = {} if n is None else {i: n for i in layers}
-        return resources.estimate(recipe, ckpt, dtype, chunks=cut)["calibration_memory_bytes"]
+        return resources.estimate(recipe, ckpt, dtype, chunks=cut, stats=stats)["calibration_memory_bytes"]
 
     if not layers or need(None) <= limit or need(1) > limit:
         return None

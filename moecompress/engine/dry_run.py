@@ -70,7 +70,9 @@ def _check_propagation(recipe: Recipe, needs: set[str]) -> None:
         )
     planned = [s.label for s in recipe.steps if s.spec.plans_for(s.config)]
     if planned:
-        raise RecipeError(f"calibration.propagate: 'compressed' cannot be combined with cross-layer plans ({planned})")
+        raise RecipeError(
+            f"calibration.propagate: 'compressed' cannot be combined with cross-layer plans ({planned})"
+        )
 
 
 def check_data_free(recipe: Recipe) -> None:
@@ -117,6 +119,12 @@ def _stat_dims(recipe: Recipe, layer: MoELayer) -> dict[str, int]:
             "T": max(c.samples - c.holdout_samples, 1) * c.seq_len}  # fmt: skip
 
 
+def _stat_sizes(recipe: Recipe, ckpt: Checkpoint, needs: set[str]) -> dict[str, int]:
+    """Float32 bytes of each statistic in ``needs``, of the MoE layer where it is largest."""
+    dims = [_stat_dims(recipe, meta_layer(ckpt, i)) for i in ckpt.moe_layer_indices]
+    return {n: max(resources.stat_bytes({n}, d) for d in dims) for n in needs} if dims else {}
+
+
 def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     """Check the recipe on shapes; raise before any weight or token is touched. Returns the plan: the
     statistics to collect and the estimated bytes of each step's output."""
@@ -141,7 +149,8 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     nonstock: tuple[str, int] | None = None
     chunked = chunk_plan.fixed_chunks(recipe, ckpt)
     limit = chunk_plan.memory_limit(recipe) if recipe.expert_chunk == "auto" else None
-    cap = chunk_plan.calibration_cap(recipe, ckpt, compute_dtype(recipe, ckpt), limit) if limit is not None else None
+    sizes = _stat_sizes(recipe, ckpt, needs)
+    cap = chunk_plan.calibration_cap(recipe, ckpt, dtype, limit, sizes) if limit is not None else None
     for i in ckpt.moe_layer_indices:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
@@ -181,11 +190,12 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)  # in memory (dequantised)
     dequantize = dequantized_output(ckpt, recipe.quantized_input, nonstock)
     rest, scale = in_bytes - moe_in, 1.0  # on disk: what no step rewrites, and bytes per logical MoE byte
-    if ckpt.quantization and not dequantize:  # written in the input's encoding: its bytes, not the logical ones
+    # written in the input's encoding: its bytes, not the logical ones
+    if ckpt.quantization and not dequantize:
         raw_moe = sum(ckpt.raw.nbytes(k) for i in ckpt.moe_layer_indices for k in ckpt.raw_moe_keys(i))
         rest, scale = sum(ckpt.raw.nbytes(k) for k in ckpt.raw.keys) - raw_moe, raw_moe / max(moe_in, 1)
     plan = {
-        **resources.estimate(recipe, ckpt, compute_dtype(recipe, ckpt), chunks=chunked),
+        **resources.estimate(recipe, ckpt, dtype, chunks=chunked, stats=sizes),
         "written_steps": [s.label for s in written],
         "model_type": ckpt.model_type,
         "device": device,
@@ -201,7 +211,8 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             if not s.spec.report_only
         },
         "calibration_tokens": 0 if c.data_free else c.samples * c.seq_len,
-        "data_free_steps": not recipe.needs and not segments.has_stages(recipe),  # source: none could skip calibration
+        # source: none could skip calibration
+        "data_free_steps": not recipe.needs and not segments.has_stages(recipe),
         "step_memory": step_memory,
         "expert_chunk": {str(i): n for i, n in sorted(chunked.items())},
         "dequantize_output": dequantize,

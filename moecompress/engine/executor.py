@@ -242,6 +242,32 @@ def apply(
     ones. ``launch``: this process among ``torchrun``'s ranks (``docs/distributed.md``; rank 0 writes).
     Returns the output directory and the run report."""
     rec = _coerce(recipe, overrides, passes)
+    ready = _prepare(rec, resume=resume, overwrite=overwrite, dry_run_only=dry_run_only)
+    if isinstance(ready, RunResult):
+        return ready
+    launch = launch or Launch()
+    if launch.world_size > 1:
+        _check_stages_distributed(rec)
+    ranks = distributed.start(launch, resolve_device(rec.calibration.device))
+    try:
+        return _run(rec, *ready, resume=resume, overwrite=overwrite, progress=progress, ranks=ranks)
+    finally:
+        distributed.stop(ranks)
+
+
+def _check_stages_distributed(rec: Recipe) -> None:
+    """Under ``torchrun`` a stage trains with FSDP2 (``training/fsdp.py``); refuse what that does not cover."""
+    from moecompress.training.fsdp import unsupported
+
+    for step in rec.steps:
+        why = unsupported(step.config) if step.spec.stage is not None else None
+        if why is not None:
+            raise RecipeError(f"{step.label}: {why} does not run under torchrun yet; run one process")
+
+
+def _prepare(rec: Recipe, *, resume: bool, overwrite: bool, dry_run_only: bool):
+    """Steps 1-2 of the module docstring on every rank: a finished ``--resume`` or a dry run as its
+    :class:`RunResult`, else ``(checkpoint, dry-run plan, source fingerprint, journal)``."""
     out = Path(rec.output)
     journal = None
     if resume:
@@ -262,21 +288,33 @@ def apply(
             log.info("nothing durable to resume in %s; starting over", out)
     if dry_run_only:
         return RunResult(out, {"dry_run": plan}, dry_run=True)
-    launch = launch or Launch()
-    if launch.world_size > 1 and segments.has_stages(rec):
-        raise RecipeError("whole-model stages (distill, lora_heal) do not run under torchrun yet; run one process")
-    ranks = distributed.start(launch, resolve_device(rec.calibration.device))
+    return ckpt, plan, fingerprint, journal
+
+
+def _segment(rec: Recipe, resume: bool, progress: bool, ranks: distributed.Ranks) -> dict:
+    """A per-layer segment of a segmented run, over the run's ranks (the process group stays open)."""
+    ready = _prepare(rec, resume=resume, overwrite=True, dry_run_only=False)
+    if isinstance(ready, RunResult):
+        return ready.report
+    return _run(rec, *ready, resume=resume, overwrite=True, progress=progress, ranks=ranks).report
+
+
+def _run(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: dict | None, *, resume: bool,
+         overwrite: bool, progress: bool, ranks: distributed.Ranks) -> RunResult:  # fmt: skip
+    """Steps 3-6 on ``ranks`` (started by the caller, who stops them)."""
+    out = Path(rec.output)
     ranks.barrier()  # every rank has checked the output before rank 0 may write it
     with RunLock(out, f"output {out}") if ranks.is_writer else nullcontext():
         if not resume and out.exists() and not overwrite and ranks.is_writer:  # it may have appeared meanwhile
             raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
         try:
+            if segments.has_stages(rec):  # whole-model stages: the recipe runs as segments, on every rank
+                sub = lambda r, again: _segment(r, again, progress, ranks)  # noqa: E731
+                report = segments.run_segments(rec, ckpt, plan, resume=resume, progress=progress and ranks.is_writer,
+                                               run_layers=sub, ranks=ranks)  # fmt: skip
+                return RunResult(out, report)
             if not ranks.is_writer:
                 return _compress(rec, ckpt, plan, fingerprint, None, False, ranks)
-            if segments.has_stages(rec):  # whole-model stages: the recipe runs as segments
-                sub = lambda r, again: apply(r, resume=again, overwrite=True, progress=progress).report  # noqa: E731
-                report = segments.run_segments(rec, ckpt, plan, resume=resume, progress=progress, run_layers=sub)
-                return RunResult(out, report)
             return _compress(rec, ckpt, plan, fingerprint, journal, progress, ranks)
         except MoecompressError as err:
             if ranks.is_writer:
@@ -288,8 +326,6 @@ def apply(
             raise WriteError(f"cannot write {err.filename or rec.output}: {err.strerror}; {_left(rec, ranks)}") from None
         except SafetensorError as err:
             raise WriteError(f"cannot write the output ({err}); {_left(rec, ranks)}") from None
-        finally:
-            distributed.stop(ranks)
 
 
 DATA_FREE_NOTE = "calibration.source: none: no calibration tokens were read and no statistics collected"

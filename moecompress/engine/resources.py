@@ -21,7 +21,6 @@ free disk.
 from __future__ import annotations
 
 import re
-import resource
 import shutil
 import sys
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ import torch
 
 from moecompress.calibration.catalogue import ALWAYS, CATALOGUE, backward_needed
 from moecompress.calibration.sweep import OFFLOAD_AUTO_BYTES, PROPAGATE_CHUNKED
+from moecompress.engine.peak import rss_bytes
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
@@ -59,7 +59,9 @@ def _layer_memory(
     def held(names: list[str]) -> int:
         stored = sum(r.nbytes(k) for k in names)
         floats = [k for k in names if r.torch_dtype(k).is_floating_point]
-        cast = sum(r.nbytes(k) // r.torch_dtype(k).itemsize * size for k in floats if r.torch_dtype(k) != dtype)
+        cast = sum(
+            r.nbytes(k) // r.torch_dtype(k).itemsize * size for k in floats if r.torch_dtype(k) != dtype
+        )
         return stored * 3 // 2 + cast
 
     if chunk is None or layer is None:
@@ -69,14 +71,29 @@ def _layer_memory(
     return held([k for k in keys if k not in routed]) + -(-experts * chunk // ckpt.adapter.num_experts)
 
 
+def collector_bytes(stats: Mapping[str, int], kind: str) -> int:
+    """Peak bytes of one layer's statistics collector in calibration (``calibration/stats.py``), from the
+    float32 bytes of each statistic (``stats``: name -> bytes, :func:`stat_bytes`) of ``kind`` (``forward``
+    or ``backward``): the float64 sums (twice their float32 bytes), and while ``result`` converts them, the
+    largest one's float64 mean and every float32 result (``3·S + 2·L``)."""
+    mine = [b for name, b in stats.items() if name in CATALOGUE and CATALOGUE[name].kind == kind]
+    return 3 * sum(mine) + 2 * max(mine, default=0)
+
+
 def estimate(
-    recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, chunks: Mapping[int, int] | None = None
+    recipe: Recipe,
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    chunks: Mapping[int, int] | None = None,
+    stats: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Estimated peak bytes of calibration in memory and of the streamed backward's inputs on disk (none
     with ``calibration.source: none``). ``chunks``: MoE layer -> experts per chunk (the dry run's
     ``expert_chunk``; default none); a chunked
     layer counts one chunk of experts, and the run every batch's recorded MoE input and its fp32 MoE
-    output accumulator (forward) or input gradient (backward) besides the activations."""
+    output accumulator (forward) or input gradient (backward) besides the activations. ``stats``: the
+    float32 bytes of each statistic of the largest MoE layer; its collector (:func:`collector_bytes`) is
+    held with the layer, in the forward sweep and the backward's layer phase."""
     if recipe.calibration.data_free:
         return {"calibration_memory_bytes": 0, "calibration_layer_bytes": 0, "backward_disk_bytes": 0}
     c, cfg = recipe.calibration, ckpt.raw_config
@@ -90,10 +107,13 @@ def estimate(
         raise RecipeError(PROPAGATE_CHUNKED)
     layers = [(idx, keys) for idx, keys in ckpt.key_groups() if idx is not None]
     n_layers = len(layers)
-    layer_mem = max((_layer_memory(ckpt, keys, dtype, idx, chunks.get(idx)) for idx, keys in layers), default=0)
+    layer_mem = max(
+        (_layer_memory(ckpt, keys, dtype, idx, chunks.get(idx)) for idx, keys in layers), default=0
+    )
     # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
     in_layer = layer_mem + (act + tokens * hidden * 4 if chunks else 0)
-    mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer  # the forward sweep
+    fwd, bwd = collector_bytes(stats or {}, "forward"), collector_bytes(stats or {}, "backward")
+    mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer + fwd  # the forward sweep
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):
         store = n_layers * act
@@ -104,8 +124,9 @@ def estimate(
         # the gradients; then first every batch's logits and the last hidden states (the loss), later one
         # decoder layer at a time: the two phases do not overlap (calibration/sweep.py ``_backward``)
         held = STEP_BASE_BYTES + tokens * 8 + (0 if on_disk else store) + act + vocab * hidden * size
-        mem = max(mem, held + max(act + logits, in_layer + act))
-    out = {"calibration_memory_bytes": mem, "calibration_layer_bytes": layer_mem, "backward_disk_bytes": disk}
+        mem = max(mem, held + max(act + logits, in_layer + act + bwd))
+    out = {"calibration_memory_bytes": mem, "calibration_layer_bytes": layer_mem, "backward_disk_bytes": disk,
+           "calibration_stats_bytes": max(fwd, bwd)}  # fmt: skip
     if "moe_inputs" in set(recipe.needs):  # kept (float32) for a replay of changed layers: engine/follow.py
         kept = (c.samples - c.holdout_samples) * c.seq_len * hidden * 4
         out.update(calibration_memory_bytes=out["calibration_memory_bytes"] + 2 * kept,
@@ -115,8 +136,6 @@ def estimate(
                             int(cfg.get("num_experts_per_tok") or 1))  # fmt: skip
         out.update(calibration_memory_bytes=mem + trace, route_attrib_trace_bytes=trace)
     return out
-
-
 
 
 def stat_bytes(needs: set[str] | frozenset[str], dims: dict[str, int]) -> int:
@@ -145,7 +164,7 @@ def step_peak(
     for the held-back reference, one after the other; then the pass's workspace and
     its output, and after it the larger of the output's encoded tensors (when the step writes a
     checkpoint) and its cast for the reconstruction error."""
-    cast = (lambda lay: 0 if lay.experts.gate.dtype == dtype else cast_layer(lay, dtype).nbytes())  # noqa: E731
+    cast = lambda lay: 0 if lay.experts.gate.dtype == dtype else cast_layer(lay, dtype).nbytes()  # noqa: E731
     held = STEP_BASE_BYTES + stats + before.nbytes()
     start = held + (max(before.nbytes() // 3, stats, cast(before)) if first else 0)  # read, load, reference
     encoded = after.nbytes() if written else 0
@@ -165,7 +184,9 @@ def available_memory() -> int | None:
     return None
 
 
-def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None, disk_free: int | None) -> None:
+def check(
+    recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None, disk_free: int | None
+) -> None:
     """Refuse, with the figures and the fix, a run that will not fit in memory or on disk."""
     c = recipe.calibration
     need = plan["calibration_memory_bytes"]
@@ -175,13 +196,13 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
     if limit is not None and need > limit and 2 * layer >= need:
         raise RecipeError(
             f"calibration needs about {need / GiB:.1f} GiB of memory, {layer / GiB:.1f} GiB of it for one decoder layer, "
-            f"but {limit / GiB:.1f} GiB are {where}; "
-            + _calibration_fix(recipe, plan)
+            f"but {limit / GiB:.1f} GiB are {where}; " + _calibration_fix(recipe, plan)
         )
     if limit is not None and need > limit:
         raise RecipeError(
             f"calibration needs about {need / GiB:.1f} GiB of memory ({c.samples} samples × {c.seq_len} tokens of "
-            f"activations, one decoder layer{', the streamed backward' if plan['backward'] else ''}) but "
+            f"activations, one decoder layer{', the streamed backward' if plan['backward'] else ''}, "
+            f"{plan.get('calibration_stats_bytes', 0) / GiB:.1f} GiB of statistics) but "
             f"{limit / GiB:.1f} GiB are {where}; lower calibration.samples, seq_len or batch_size"
             + (" or use calibration.offload: disk" if plan["backward"] else "")
         )
@@ -202,7 +223,10 @@ def check(recipe: Recipe, plan: dict, output_parent: Path, *, memory: int | None
             f"{w['workspace_bytes'] / GiB:.1f} GiB, statistics {w['stats_bytes'] / GiB:.1f} GiB"
             f"{chunked}) but {limit / GiB:.1f} GiB are {where}; {_step_fix(recipe, w)}"
         )
-    out = sum(plan["estimated_output_bytes"].get(s, 0) for s in plan["written_steps"]) + plan["backward_disk_bytes"]
+    out = (
+        sum(plan["estimated_output_bytes"].get(s, 0) for s in plan["written_steps"])
+        + plan["backward_disk_bytes"]
+    )
     if disk_free is not None and out > disk_free:
         raise RecipeError(
             f"the run needs about {out / GiB:.2f} GiB of disk next to {output_parent} ({len(plan['written_steps'])} "
@@ -285,12 +309,4 @@ def copy_peak(ckpt: Checkpoint, raw: bool = True) -> tuple[int, str | None]:
 
 def rss_mb() -> float:
     """Current resident memory in MB (Linux ``VmRSS``; elsewhere the peak so far)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    return rss_bytes() / 2**20

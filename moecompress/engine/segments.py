@@ -27,6 +27,7 @@ from pathlib import Path
 from moecompress._version import __version__
 from moecompress.calibration.sources import source_fingerprint
 from moecompress.engine import resources
+from moecompress.engine.distributed import SINGLE, Ranks
 from moecompress.engine.journal import staging_dir, write_json_atomic
 from moecompress.engine.recipe import Recipe, Step
 from moecompress.engine.spec import StageJob
@@ -65,12 +66,12 @@ def _teacher(rec: Recipe, step: Step) -> str:
 
 
 def _job(rec: Recipe, step: Step, src: Path, out: Path, progress: bool, device: str = "cpu",
-         state: Path | None = None, teacher: Path | None = None) -> StageJob:  # fmt: skip
+         state: Path | None = None, teacher: Path | None = None, ranks: Ranks = SINGLE) -> StageJob:  # fmt: skip
     """``teacher``: the teacher's resolved directory (default: the step's or the recipe's model, resolved)."""
     if teacher is None:
         teacher = open_checkpoint(_teacher(rec, step)).path  # a Hub id or moecompress:quickstart -> its directory
     return StageJob(step.label, step.config, src, Path(teacher), out, rec.calibration,
-                    rec.max_shard_size, device, progress, state)  # fmt: skip
+                    rec.max_shard_size, device, progress, state, ranks)  # fmt: skip
 
 
 def stage_plan(rec: Recipe, ckpt: Checkpoint, plan: dict) -> dict:
@@ -128,13 +129,19 @@ def _moe_size(path: Path) -> tuple[int, int]:
     return sum(math.prod(ck.reader.shape(k)) for k in keys), sum(ck.reader.nbytes(k) for k in keys)
 
 
-def _run_stage(rec: Recipe, step: Step, src: Path, out: Path, chain: str, progress: bool, device: str) -> dict:
+def _run_stage(rec: Recipe, step: Step, src: Path, out: Path, chain: str, progress: bool, device: str,
+               ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+    """Train and write the stage's checkpoint (under ``torchrun`` every rank trains, rank 0 writes)."""
     staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    if ranks.is_writer:
+        shutil.rmtree(staging, ignore_errors=True)
     t0 = time.perf_counter()
-    state = out.with_name(out.name + ".state")
-    extra = step.spec.stage.run(_job(rec, step, src, staging, progress, device, state))
+    state = out.with_name(out.name + ".state") if ranks.world_size == 1 else None  # (save_every is refused)
+    extra = step.spec.stage.run(_job(rec, step, src, staging, progress and ranks.is_writer, device, state,
+                                     ranks=ranks))  # fmt: skip
     secs = time.perf_counter() - t0
+    if not ranks.is_writer:
+        return {"rank": ranks.rank, "seconds": round(secs, 3), "peak_rss_mb": extra.get("peak_rss_mb") or 0.0}
     params, nbytes = _moe_size(staging)
     total = sum(math.prod(open_checkpoint(staging).reader.shape(k)) for k in open_checkpoint(staging).reader.keys)
     report = {
@@ -152,7 +159,8 @@ def _run_stage(rec: Recipe, step: Step, src: Path, out: Path, chain: str, progre
            "warnings": [f"{step.label}: {w}" for w in report["warnings"]]}  # fmt: skip
     write_json_atomic(staging / "report.json", run)
     move_into_place(staging, out)
-    shutil.rmtree(state, ignore_errors=True)
+    if state is not None:
+        shutil.rmtree(state, ignore_errors=True)
     return run
 
 
@@ -166,14 +174,18 @@ def _finished_stage(out: Path, chain: str) -> dict | None:
 
 def run_segments(
     rec: Recipe, ckpt: Checkpoint, dry: dict, *, resume: bool, progress: bool,
-    run_layers: Callable[[Recipe, bool], dict],
+    run_layers: Callable[[Recipe, bool], dict], ranks: Ranks = SINGLE,
 ) -> dict:  # fmt: skip
     """Run every segment (reusing finished ones under ``resume``), assemble the output; returns the run
-    report. ``run_layers(sub_recipe, resume)`` runs a per-layer segment (``executor.apply``)."""
+    report. ``run_layers(sub_recipe, resume)`` runs a per-layer segment (``executor.apply``). Under
+    ``torchrun`` every rank runs every segment (rank 0's ``--resume`` decision for a stage), rank 0 alone
+    writes, and a barrier after each segment puts its checkpoint in place before any rank reads it; the
+    other ranks return ``{"rank": r, "segments": [...]}``."""
     root = segments_dir(rec.output)
-    if not resume:
-        shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
+    if ranks.is_writer:
+        if not resume:
+            shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
     cache = Path(rec.calibration.cache_dir) if rec.calibration.cache_dir else Path(rec.output).resolve().parent / ".moecompress-cache"
     t0 = time.perf_counter()
     src, chain, done = ckpt.path, "", []
@@ -181,12 +193,18 @@ def run_segments(
         chain = _chain(chain, rec, steps)
         out = root / f"{k:02d}-{steps[-1].name}-{chain}"
         if steps[0].spec.stage is not None:
-            run = (_finished_stage(out, chain) if resume else None) or _run_stage(
-                rec, steps[0], src, out, chain, progress, str(dry.get("device", "cpu")))
+            kept = _finished_stage(out, chain) if resume else None
+            if ranks.from_writer(kept is not None):  # rank 0's --resume decision
+                run = kept or {}
+            else:
+                run = _run_stage(rec, steps[0], src, out, chain, progress, str(dry.get("device", "cpu")), ranks)
         else:
             run = run_layers(_sub_recipe(rec, steps, src, out, cache), resume)
+        ranks.barrier()  # the segment's checkpoint is in place (rank 0's rename) before any rank reads it
         done.append((steps, out, run))
         src = out
+    if not ranks.is_writer:
+        return {"rank": ranks.rank, "segments": [r for _, _, r in done]}
     return _assemble(rec, ckpt, dry, done, time.perf_counter() - t0)
 
 

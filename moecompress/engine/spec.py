@@ -214,6 +214,9 @@ class StageJob:
     progress: bool = True
     state_dir: Any = None
     """Where the stage may keep its resumable state (kept by a failed run, removed when it finishes)."""
+    ranks: Any = None
+    """The run's :class:`~moecompress.engine.distributed.Ranks` (``None``: one process); under ``torchrun``
+    every rank runs the stage and rank 0 alone writes ``output_dir`` (``moecompress/training/fsdp.py``)."""
 
 
 @dataclass(frozen=True)

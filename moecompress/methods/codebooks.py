@@ -183,6 +183,7 @@ class _Blocks:
             elif self.shared and rotated.shared_gate is not None:
                 self.shared_gate = torch.sigmoid(F.linear(x.float(), rotated.shared_gate.float()))
         self.const = const
+        self.saved: dict[int | str, tuple[torch.Tensor, ...]] = {}  # activations of the last forward (keep)
         self.dense: dict[tuple[str, str], torch.Tensor] = {}  # projections no part covers (scope)
         for b in ("experts",) + (("shared",) if self.shared else ()):
             for proj in ("gate", "up", "down"):
@@ -198,55 +199,78 @@ class _Blocks:
     def _weights(self, b: str, ws: WeightFn, i: int) -> list[torch.Tensor]:
         return [ws(b, p, i) if (b, p) in self.keys else self.dense[b, p][i] for p in _PROJ]
 
-    def expert(self, e: int, ws: WeightFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed expert ``e``'s tokens and weighted output with the quantised weights ``ws``."""
+    def expert(self, e: int, ws: WeightFn, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed expert ``e``'s tokens and weighted output with the quantised weights ``ws`` (``keep``:
+        its activations are kept for :meth:`backward`)."""
         tok, w = self.routes[e]
-        return tok, _expert(
-            self.rotated.experts, e, self.xin[tok], *self._weights("experts", ws, self.pos[e])
-        ) * w
+        xin = self.xin[tok]
+        y, acts = _expert(self.rotated.experts, e, xin, *self._weights("experts", ws, self.pos[e]))
+        if keep:
+            self.saved[e] = (xin, *acts)
+        return tok, y * w
 
-    def shared_out(self, ws: WeightFn) -> torch.Tensor:
-        s = _expert(self.rotated.shared, 0, self.x.float(), *self._weights("shared", ws, 0))  # type: ignore[arg-type]
+    def shared_out(self, ws: WeightFn, keep: bool = False) -> torch.Tensor:
+        x = self.x.float()
+        s, acts = _expert(self.rotated.shared, 0, x, *self._weights("shared", ws, 0))  # type: ignore[arg-type]
+        if keep:
+            self.saved["shared"] = (x, *acts)
         return s if self.shared_gate is None else s * self.shared_gate
 
-    def forward(self, ws: WeightFn) -> torch.Tensor:
+    def forward(self, ws: WeightFn, keep: bool = False) -> torch.Tensor:
         """Block output ``[T, H]`` (fp32) with the quantised experts' weights ``ws(bank, proj, i)`` (the
-        ``[live, in]`` / ``[out, live]`` matrix of the part's ``i``-th expert, asked for one expert at a time)."""
+        ``[live, in]`` / ``[out, live]`` matrix of the part's ``i``-th expert, asked for one expert at a time).
+        ``keep``: every expert's input and activations are kept for :meth:`backward` (``3·I + H`` floats
+        per routed token of each expert: a few tens of MB, where a second forward would cost its time)."""
+        self.saved = {}
         toks, ys = [], []
         for e in self.routes:
-            tok, y = self.expert(e, ws)
+            tok, y = self.expert(e, ws, keep)
             toks.append(tok)
             ys.append(y)
         out = self.const if not toks else self.const.index_add(0, torch.cat(toks), torch.cat(ys))
         if self.shared:
-            out = out + self.shared_out(ws)
+            out = out + self.shared_out(ws, keep)
         return out
 
     def backward(
         self, grad: torch.Tensor, ws: WeightFn, sink: Callable[[str, str, int, torch.Tensor], None]
     ) -> None:
-        """The gradients of the quantised weights given ``grad``, the gradient of :meth:`forward`'s output,
-        one expert at a time (its forward again, then its backward): ``sink(bank, proj, i, dL/dW)``. The same
-        values as autograd through the whole block (``index_add``'s backward hands each expert
-        ``grad[tok]``), with one expert's weights and gradients alive instead of every expert's."""
-
-        def one(b: str, i: int, run: Callable[[WeightFn], torch.Tensor], g: torch.Tensor) -> None:
-            leaves = {p: ws(b, p, i).detach().requires_grad_(True) for p in _PROJ if (b, p) in self.keys}
-            run(lambda _b, p, _i: leaves[p]).backward(g)
-            for p, leaf in leaves.items():
-                if leaf.grad is not None:
-                    sink(b, p, i, leaf.grad)
-
-        for e, (tok, _) in self.routes.items():
-            one("experts", self.pos[e], lambda w, e=e: self.expert(e, w)[1], grad[tok])
+        """The gradients of the quantised weights given ``grad``, the gradient of the output of the last
+        :meth:`forward` (``keep=True``, the same ``ws``), one expert at a time: ``sink(bank, proj, i, dL/dW)``.
+        Written out as autograd computes it (bit for bit): with ``g`` the expert's output gradient
+        (``grad[tok]`` times its routing weight), ``dW_down = gᵀ h``, ``dh = g W_down``, autograd through the
+        activation only (``dh`` to the gate/up pre-activations), ``dW_gate = dgᵀ x_in`` (and up). Only the
+        down weights are decoded again; one expert's gradients are alive at a time."""
+        for e, (tok, w) in self.routes.items():
+            self._one("experts", e, self.pos[e], grad[tok] * w, ws, sink)
         if self.shared:
-            one("shared", 0, self.shared_out, grad)
+            g = grad if self.shared_gate is None else grad * self.shared_gate
+            self._one("shared", "shared", 0, g, ws, sink)
+        self.saved = {}
+
+    def _one(self, b: str, key: int | str, i: int, g: torch.Tensor, ws: WeightFn, sink) -> None:
+        xin, gp, up, h = self.saved[key]
+        if (b, "down") in self.keys:
+            sink(b, "down", i, g.t().mm(h))
+        need = [p for p in ("gate", "up") if (b, p) in self.keys]
+        if not need:
+            return
+        wd = ws(b, "down", i) if (b, "down") in self.keys else self.dense[b, "down"][i]
+        pre = {"gate": gp.requires_grad_(True), "up": up.requires_grad_(True)}
+        with torch.enable_grad():
+            hid = _hidden(getattr(self.rotated, b), 0 if b == "shared" else key, pre["gate"], pre["up"])  # type: ignore[arg-type]
+            grads = torch.autograd.grad(hid, [pre[p] for p in need], g.mm(wd))
+        for p, dp in zip(need, grads):
+            sink(b, p, i, dp.t().mm(xin))
 
 
-def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> torch.Tensor:
-    """Expert ``e`` of ``bank`` on its (rotated) input with live-cut weights (as :func:`expert_forward`)."""
-    y = _hidden(bank, e, xin @ wg.T, xin @ wu.T) @ wd.T
-    return y + bank.biases["down"][e] if "down" in bank.biases else y
+def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> tuple[torch.Tensor, tuple]:
+    """Expert ``e`` of ``bank`` on its (rotated) input with live-cut weights (as :func:`expert_forward`), and
+    its activations ``(gate pre-activation, up pre-activation, down input)``."""
+    gp, up = xin @ wg.T, xin @ wu.T
+    h = _hidden(bank, e, gp, up)
+    y = h @ wd.T
+    return (y + bank.biases["down"][e] if "down" in bank.biases else y), (gp, up, h)
 
 
 def part_slice(part: dict) -> tuple:
@@ -287,9 +311,10 @@ def finetune(
     error on ``x_val`` are kept (the k-means result when no step improves). Updates ``parts`` in place
     and returns the fit/validation errors.
 
-    Cost per step: the quantised experts' forward and backward on their routed tokens only (the routing
-    and everything the centroids do not change are computed once, :class:`_Blocks`); the weights are
-    decoded per expert and each expert's weight gradient is scattered into its centroids
+    Cost per step: the quantised experts' forward (activations kept) and backward (no second forward) on
+    their routed tokens only (the routing and everything the centroids do not change are computed once,
+    :class:`_Blocks`); the weights are decoded per expert and each expert's weight gradient is scattered
+    into its centroids
     (``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``); one reassignment of every weight; a validation forward.
     The router KL is a constant (the router and its input do not depend on the centroids: exactly 0 for
     codequant, which never changes them), so it is computed once."""
@@ -317,7 +342,7 @@ def finetune(
     denom = float((y_fit.double() ** 2).sum().clamp_min(1e-30)) / y_fit.numel()
     for step in range(1, steps + 1):
         with torch.no_grad():
-            out = fit.forward(_decoder({k: v.detach() for k, v in params.items()}, codes))
+            out = fit.forward(_decoder({k: v.detach() for k, v in params.items()}, codes), keep=True)
         out.requires_grad_(True)
         loss = ((out - y_fit) ** 2).mean() / denom
         fit_first = float(loss.detach()) if fit_first is None else fit_first

@@ -33,17 +33,21 @@ def sorted_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.sort(dim=1)
 
 
-def assign_sorted(sv: torch.Tensor, perm: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+def assign_sorted(
+    sv: torch.Tensor, perm: torch.Tensor, centroids: torch.Tensor, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
     """:func:`nearest` of the values ``sv`` (rows sorted ascending; ``perm`` their original positions,
-    as :func:`sorted_rows` gives) -> int64 ``[N, n]`` in the original order; identical to
-    ``nearest(values, centroids)``, in ``O(n + k log n)`` per row instead of a search per value."""
+    as :func:`sorted_rows` gives) -> ``[N, n]`` of ``dtype`` in the original order; identical to
+    ``nearest(values, centroids)``, in ``O(n + k log n)`` per row instead of a search per value: the
+    sorted values of a cluster are a run between two cuts, so the codes in sorted order are each
+    centroid's index repeated over its run, then put back in the original order (``uint8`` codes move an
+    eighth of int64's bytes)."""
     c, order = centroids.sort(dim=-1)
-    n = sv.shape[1]
+    n_rows, n = sv.shape
     bounds = torch.searchsorted(sv, ((c[:, 1:] + c[:, :-1]) / 2).to(sv.dtype).contiguous(), right=True)
-    steps = torch.zeros(sv.shape[0], n + 1, dtype=torch.int64, device=sv.device)
-    steps.scatter_add_(1, bounds, torch.ones_like(bounds))
-    rank = steps[:, :n].cumsum(1)  # sorted centroids below each sorted value's cut
-    return torch.empty_like(rank).scatter_(1, perm, order.gather(1, rank))
+    edges = torch.cat([bounds.new_zeros(n_rows, 1), bounds, bounds.new_full((n_rows, 1), n)], 1)
+    runs = order.to(dtype).flatten().repeat_interleave(edges.diff(dim=1).flatten(), output_size=n_rows * n)
+    return torch.empty(n_rows, n, dtype=dtype, device=sv.device).scatter_(1, perm, runs.view(n_rows, n))
 
 
 class SortedRows:
@@ -84,7 +88,7 @@ class SortedRows:
         out = torch.empty(self.sv.shape, dtype=self.code_dtype, device=self.sv.device)
         for a in range(0, self.sv.shape[0], self.step):
             b = a + self.step
-            out[a:b] = assign_sorted(self.sv[a:b], self.perm[a:b].long(), centroids[a:b])
+            out[a:b] = assign_sorted(self.sv[a:b], self.perm[a:b].long(), centroids[a:b], self.code_dtype)
         self.codes, (self.bounds, self.order) = out, self._cuts(centroids)
         return out
 
@@ -98,29 +102,34 @@ class SortedRows:
     def update(self, centroids: torch.Tensor) -> torch.Tensor:
         """:meth:`assign` of new ``centroids`` (bit-identical), computed from the last one: only the values
         between a cut's old and new position change cluster (``O(k log n)`` per row plus the values that
-        move), and rows whose centroids changed order are reassigned whole. Updates the codes returned
+        move), and rows whose centroids changed order (or whose moving ranges overlap) are reassigned
+        whole. Updates the codes returned
         by the last :meth:`assign` in place and returns them."""
         if not hasattr(self, "codes"):
             return self.assign(centroids)
         bounds, order = self._cuts(centroids)
         n_rows, n = self.sv.shape
-        whole = (order != self.order).any(1)
         lo, hi = torch.minimum(bounds, self.bounds), torch.maximum(bounds, self.bounds)
+        # a row whose centroids changed order, or whose moved ranges overlap, is reassigned whole
+        whole = (order != self.order).any(1) | (hi[:, :-1] > lo[:, 1:]).any(1)
         lengths = (hi - lo).masked_fill_(whole[:, None], 0).flatten()
         total = int(lengths.sum())
         if total > n_rows * n // 4:  # centroids moved far: a full pass is cheaper
             return self.assign(centroids)
-        if total:
-            row = torch.arange(n_rows, device=lo.device).repeat_interleave(bounds.shape[1])
-            row = row.repeat_interleave(lengths)
+        if total:  # a value between cut j's old and new position: cluster j + (new cut <= its position)
+            cuts = bounds.shape[1]
+            row = torch.arange(n_rows, device=lo.device).repeat_interleave(cuts).repeat_interleave(lengths)
             first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
             pos = lo.flatten().repeat_interleave(lengths) + torch.arange(total, device=lo.device) - first
-            rank = (bounds[row] <= pos[:, None]).sum(1)
-            self.codes[row, self.perm[row, pos].long()] = order[row, rank].to(self.code_dtype)
+            cut = torch.arange(cuts, device=lo.device).repeat(n_rows).repeat_interleave(lengths)
+            rank = cut + (bounds.flatten().repeat_interleave(lengths) <= pos)
+            dest = row * n + self.perm.view(-1)[row * n + pos].long()
+            self.codes.view(-1)[dest] = order.view(-1)[row * (cuts + 1) + rank].to(self.code_dtype)
         redo = whole.nonzero()[:, 0]
         if len(redo):
-            redone = assign_sorted(self.sv[redo], self.perm[redo].long(), centroids[redo])
-            self.codes[redo] = redone.to(self.code_dtype)
+            self.codes[redo] = assign_sorted(
+                self.sv[redo], self.perm[redo].long(), centroids[redo], self.code_dtype
+            )
         self.bounds, self.order = bounds, order
         return self.codes
 
@@ -139,8 +148,9 @@ def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
         cs = d2.cumsum(1)
         t = (u[j].float() * cs[:, -1])[:, None]
         pick = torch.searchsorted(cs, t, right=True).clamp_max_(n - 1)
-        bad = d2.gather(1, pick) <= 0  # rounding at the top end of the CDF
-        pick = torch.where(bad, d2.argmax(1, keepdim=True), pick)
+        bad = (d2.gather(1, pick) <= 0)[:, 0]  # rounding at the top end of the CDF
+        if bool(bad.any()):
+            pick[bad] = d2[bad].argmax(1, keepdim=True)
         c = v.gather(1, pick)
         cents.append(c)
         torch.minimum(d2, (vf - c.float()).square_(), out=d2)
@@ -148,7 +158,7 @@ def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
 
 
 def _lloyd(
-    v: torch.Tensor, c: torch.Tensor, iters: int, tol: float
+    v: torch.Tensor, c: torch.Tensor, iters: int, tol: float, code_dtype: torch.dtype = torch.int64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lloyd iterations of the rows of ``v`` from centroids ``c``, each row until none of its centroids
     moves by more than ``tol`` times its range; then exact means. ``(centroids, assignment, sorted
@@ -181,11 +191,12 @@ def _lloyd(
             rows, w_sv, w_cs, w_c, w_scale = rows[keep], w_sv[keep], w_cs[keep], w_c[keep], w_scale[keep]
             active = torch.ones(left, dtype=torch.bool, device=v.device)
     c[rows] = w_c
-    a = assign_sorted(sv, perm, c)  # exact means of the final clusters (no prefix-sum rounding)
+    # exact means of the final clusters (no prefix-sum rounding)
+    a = assign_sorted(sv, perm, c, code_dtype).long()
     sums = torch.zeros_like(c).scatter_add_(1, a, v)
-    counts = torch.zeros_like(c).scatter_add_(1, a, torch.ones_like(v))
+    counts = torch.zeros_like(c).scatter_add_(1, a, v.new_ones(()).expand_as(v))
     c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
-    return c, assign_sorted(sv, perm, c), sv, perm
+    return c, assign_sorted(sv, perm, c, code_dtype), sv, perm
 
 
 def kmeans_1d(
@@ -212,7 +223,7 @@ def kmeans_1d(
         perm_all = torch.empty(n_rows, n, dtype=idx, device=dev)
     for a in range(0, n_rows, step):
         v = values[a : a + step].double()
-        c, codes[a : a + step], sv, perm = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol)
+        c, codes[a : a + step], sv, perm = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol, code_dtype)
         cents[a : a + step] = c.to(values.dtype)
         if keep_sorted:  # float64 of float32 values: the cast back is exact
             sv_all[a : a + step], perm_all[a : a + step] = sv, perm.to(idx)

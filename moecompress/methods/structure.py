@@ -90,6 +90,16 @@ def mode_bases(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.eigh(go)[1].flip(-1), torch.linalg.eigh(gi)[1].flip(-1)
 
 
+def structure_workspace(m: int, out: int, inn: int, itemsize: int) -> int:
+    """Peak bytes of one projection's diagnostics (``expert_structure``) beyond the layer: the ``m`` experts
+    copied in the weights' dtype (``itemsize`` bytes) and whitened in float64, then the largest of
+    :func:`overlap_matrix`'s SVDs: LAPACK's float64 copy of the stack and the singular vectors ``U``
+    ``[m, out, k]`` and ``Vᴴ`` ``[m, k, in]`` (``k = min(out, in)``; :func:`singular_values` and
+    :func:`tucker_residual` hold less)."""
+    stack, k = m * out * inn, min(out, inn)
+    return stack * itemsize + 8 * (2 * stack + m * k * (out + inn))
+
+
 def projection_structure(w: torch.Tensor, ratios: tuple[float, ...]) -> dict:
     """Diagnostics of one projection's whitened stack ``w`` ``[M, out, in]``: effective ranks per expert,
     mean pairwise overlaps (output and input sides, at ``k = round(mean erank)``), and per ratio the

@@ -44,6 +44,23 @@ def tucker_ranks(
     return r1, r2, r3, p
 
 
+TUCKER_WORKSPACE_COPIES = 5
+"""float64 copies of the stack that tensorly's HOSVD allocates beyond its input: per mode the unfolding,
+LAPACK's copy of it, its right singular vectors and work arrays, and the sign-flipped factors (peak growth
+of resident memory over ``tucker`` at ``M × out × in`` = 32→64 × 384 × 1024 and 32→64 × 1024 × 384,
+differential: 4.98 and 4.80)."""
+
+
+def decompose_workspace(m: int, out: int, inp: int, itemsize: int) -> int:
+    """Peak bytes of one projection's :func:`decompose` and its error check beyond the layer and the kept
+    factors (``tdmoe._factorise``): the stack of ``m`` experts copied in the weights' dtype (``itemsize``
+    bytes), whitened in float64, and the HOSVD's :data:`TUCKER_WORKSPACE_COPIES`; afterwards the error
+    check holds four float64 stacks (the reconstruction, the whitened target and reconstruction, their
+    difference), fewer."""
+    stack = m * out * inp
+    return stack * itemsize + stack * 8 * max(1 + TUCKER_WORKSPACE_COPIES, 4)
+
+
 def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: str):
     """Tucker factors of the whitened stack ``w`` ``[M, out, in]``: ``(G, [U_e, U_out, U_in])`` in
     float64, whitened (un-whiten with ``wh``)."""

@@ -6,7 +6,9 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
    ``rotation: learned`` minimises ``mean ‖x R − Q_b(x R)‖²`` (``Q_b`` per-token asymmetric min-max,
    ``rotation_bits``) on the layer's calibration inputs with the Cayley parametrisation and Adam, from a
    randomised Hadamard start (:mod:`moecompress.methods.rotation`); ``hadamard`` uses that start as is; ``none``
-   skips it. **``fuse: online``** (the one built): the bank rotates its input once per token (an
+   skips it; ``auto`` (the default) is ``learned`` when activations are quantised (``eval_act_bits``, the
+   paper's A4W4 setting, what the rotation is trained for) and ``none`` for weight-only quantisation
+   (:func:`rotation_kind`). **``fuse: online``** (the one built): the bank rotates its input once per token (an
    ``H × H`` matmul) and gate/up are stored as ``W R``, so the full-precision function is unchanged. The
    router is *not* rotated: it stays a stock full-precision module reading ``x`` (``W_r x = (W_r R)(x R)ᵀ``,
    so rotating it would change nothing but its module). ``fuse: model`` (QuaRot-style folding of
@@ -40,18 +42,21 @@ must be dense or uniformly pruned (quantise last; prune with ``layout: uniform``
 Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
 than 512 tokens). Cost per layer: the rotation (``rotation_steps`` Cayley steps, one ``H × H`` LU each), k-means
 of every row (``E·(2I + H)`` rows, sorted once: the sort also serves every reassignment), and per
-fine-tuning step the quantised experts' forward (no gradient), then each expert's forward and backward
-on its own routed tokens given the block's output gradient (the routing, the rotated input and the
-protected experts' output are computed once; one expert's decoded weights and gradient are alive at a
-time, and the gradient is scattered into its centroids; codes are ``uint8``), an incremental reassignment (only the weights between
-a cluster cut's old and new position move) and a validation forward. At the peer benchmark's shapes
-(64 experts, H 1024, I 512, 384 + 128 tokens) a step costs about 2 CPU s instead of more than 17.
+fine-tuning step the quantised experts' forward (no gradient; each expert's input and activations are
+kept), then each expert's backward on its own routed tokens given the block's output gradient, written
+out as autograd computes it, with no second forward (the routing, the rotated input and the protected
+experts' output are computed once; one expert's decoded weights and gradient are alive at a time, and
+the gradient is scattered into its centroids; codes are ``uint8``), an incremental reassignment (only
+the weights between a cluster cut's old and new position move) and a validation forward. At the peer
+benchmark's shapes (64 experts, H 1024, I 512, 384 + 128 tokens) a step costs about 1 CPU s (more than
+17 before the per-expert work, 2 before the kept activations).
 
 Example steps::
 
     steps:
       - protect_super_experts: {}
-      - codequant: {bits: 4}                                  # learned rotation, fine-tuned codebooks
+      - codequant: {bits: 4}                                  # fine-tuned codebooks (weights only: no rotation)
+      - codequant: {bits: 4, eval_act_bits: 4}                # A4W4: learned rotation (auto)
       - codequant: {bits: 3, rotation: hadamard, finetune_steps: 0, eval_act_bits: 4}
 """
 
@@ -85,7 +90,9 @@ class CodequantConfig(PassConfig):
     scope: Literal["all", "rotated_inputs"] = Field(
         "all", description="quantise gate, up and down, or only gate/up (the released code's scope)"
     )
-    rotation: Literal["learned", "hadamard", "none"] = Field("learned", description="input rotation")
+    rotation: Literal["auto", "learned", "hadamard", "none"] = Field(
+        "auto", description="input rotation; auto: learned with eval_act_bits, none for weights only"
+    )
     fuse: Literal["online"] = Field(
         "online", description="how the rotation is applied (only online is built)"
     )
@@ -147,13 +154,28 @@ def _members(layer: MoELayer, cfg: CodequantConfig) -> tuple[list[int], frozense
     return ids, frozenset(protected), live
 
 
+def rotation_kind(cfg: CodequantConfig) -> str:
+    """The rotation a step uses: ``auto`` is ``learned`` when activations are quantised (``eval_act_bits``),
+    the setting the rotation is for (its loss is the activation quantiser's error), and ``none`` for
+    weight-only quantisation, where no quantiser reads the rotated input: it measured no better than
+    ``none`` on the three reference models (perplexity within noise, ``none`` often best), costs an
+    ``H × H`` float32 matrix per layer (0.83 → 1.00 bytes per routed parameter at 4 bits on those small
+    models), the ``H × H`` matmul per token in serving, and the rotation's training (benchmarks/RESULTS.md,
+    2026-11-29 and 2026-12-02)."""
+    if cfg.rotation == "auto":
+        return "none" if cfg.eval_act_bits is None else "learned"
+    return cfg.rotation
+
+
 def _rotation(layer: MoELayer, x: torch.Tensor, cfg: CodequantConfig, info: dict) -> torch.Tensor | None:
-    if cfg.rotation == "none":
+    kind = rotation_kind(cfg)
+    info["rotation"] = kind
+    if kind == "none":
         return None
     r = hadamard(layer.hidden_size, cfg.seed + layer.index)
     info["act_error_unrotated"] = quant_error(x, cfg.rotation_bits)
     info["act_error_hadamard"] = quant_error(x.double() @ r, cfg.rotation_bits)
-    if cfg.rotation == "learned" and cfg.rotation_steps:
+    if kind == "learned" and cfg.rotation_steps:
         r, losses = learn_rotation(
             x, bits=cfg.rotation_bits, steps=cfg.rotation_steps, lr=cfg.rotation_lr, init=r, seed=cfg.seed
         )
@@ -179,7 +201,7 @@ def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
     return {
         "summary": {
             "bits": cfg.bits,
-            "rotation": cfg.rotation,
+            "rotation": rotation_kind(cfg),
             "scope": cfg.scope,
             "routed_bytes_before": before,
             "routed_bytes_after": after,
@@ -210,7 +232,7 @@ def _emits(layer: MoELayer, cfg: CodequantConfig) -> MoELayer:
             e, out, inn, bits=cfg.bits, groups=groups, stored=stored, exact=exact, dtype=lay.dtype
         )
     h = layer.hidden_size
-    rotation = None if cfg.rotation == "none" else meta_tensor(h, h, dtype=torch.float32)
+    rotation = None if rotation_kind(cfg) == "none" else meta_tensor(h, h, dtype=torch.float32)
     bank = dataclasses.replace(
         layer.experts, **new["experts"], rotation=rotation, act_bits=cfg.eval_act_bits,
         unrotated=protected if rotation is not None else frozenset(),
@@ -239,7 +261,7 @@ def _workspace(layer: MoELayer, cfg: CodequantConfig) -> int:
     and the rotated gate/up (in the layer's dtype)."""
     targets = [math.prod(getattr(getattr(layer, b), n).shape) for b, n in _targets(layer, cfg)]
     bank = layer.experts
-    rotated = 0 if cfg.rotation == "none" else bank.gate.nbytes() + bank.up.nbytes()
+    rotated = 0 if rotation_kind(cfg) == "none" else bank.gate.nbytes() + bank.up.nbytes()
     per_weight = WORKSPACE_BYTES_PER_WEIGHT if cfg.finetune_steps else 5  # k-means only: weights, codes
     one_expert = 3 * max(targets, default=0) // max(bank.num_experts, 1)
     return per_weight * sum(targets) + EXPERT_BYTES_PER_WEIGHT * one_expert + rotated + 10 * 8 * CHUNK_VALUES

@@ -79,6 +79,7 @@ from moecompress.reference import expert_forward, moe_forward, route, router_log
 NEEDS = {"expert_counts", "io_sample"}
 PROJ = ("gate", "up", "down")
 
+
 class MergeOptions(PassConfig):
     """Options shared by the merging passes."""
 
@@ -244,6 +245,26 @@ def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
         router_bias=rows(layer.router_bias), score_bias=rows(layer.score_bias), experts=new_bank,
         protected=frozenset(range(len(layer.protected))),
     )  # fmt: skip
+
+
+def merge_workspace(layer: MoELayer, cfg: MergeOptions, sets: int = 1, in_flight: int = 0) -> int:
+    """Bytes a merging pass holds beyond its input and output layers (the dry run's ``workspace``), in
+    float32 copies of one expert (:func:`~moecompress.methods.merging.expert_params`): ``sets`` copies of
+    every merged group, held until the layer is built (at most ``m = min(t, E − t)`` of the ``t`` groups
+    have two or more members), plus one group being merged: its members, aligned, and their differences
+    from the base (``2c`` for a group of the mean size ``c = (E − t + m) / m``), and ``in_flight`` more.
+    The grouping features come first and are freed before (``similarity: weight``: every expert once). A
+    grouping with one large group holds up to ``E − t + 1`` members at once instead of ``c``."""
+    bank, e = layer.experts, layer.router.num_experts
+    t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
+    m = min(t, e - t)
+    if m <= 0:
+        return 0
+    expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
+                  + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
+    mean = -(-(e - t + m) // m)
+    feats = e * expert if cfg.similarity == "weight" else 4 * e * AUTO_TOKENS * bank.hidden_size
+    return max(feats, expert * (sets * m + 2 * mean + in_flight))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts.dense import Dense
-from moecompress.methods.structure import crossover, predict, projection_structure
+from moecompress.methods.structure import crossover, predict, projection_structure, structure_workspace
 from moecompress.methods.whitening import ALL_NEEDS, projection_whiteners, whitening_needs
 
 PROJ = ("gate", "up", "down")
@@ -103,6 +103,13 @@ def expert_structure(layer: MoELayer, stats: LayerStats, cfg: StructureConfig) -
     return layer, info
 
 
+def _workspace(layer: MoELayer) -> int:
+    """One projection at a time (:func:`~moecompress.methods.structure.structure_workspace`), the largest;
+    every expert counted (protected ones are left out of the stack: an upper bound)."""
+    bank = layer.experts
+    return max(structure_workspace(*getattr(bank, p).shape, getattr(bank, p).dtype.itemsize) for p in PROJ)
+
+
 def _summarize(infos: dict[int, dict], cfg: StructureConfig) -> dict:
     layers = [i for i in sorted(infos) if "prediction" in infos[i]]
     return {
@@ -122,4 +129,5 @@ SPEC = PassSpec(
     "expert_structure", StructureConfig, expert_structure, needs=ALL_NEEDS,
     check=lambda layer, cfg: decomposed_members(layer, "expert_structure") and None,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda i, c: _summarize(i, c), report_only=True,
+    workspace=lambda layer, cfg: _workspace(layer),
 )  # fmt: skip

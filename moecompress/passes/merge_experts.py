@@ -38,6 +38,7 @@ from moecompress.passes.expert_merging import (
     check_mergeable,
     chosen_later,
     merge_needs,
+    merge_workspace,
     merged_shape,
     plan_merge,
     summarize_merging,
@@ -85,4 +86,5 @@ SPEC = PassSpec(
     plan=plan_budget,
     plans=chosen_later,
     summarize=_summarize, alters=frozenset({"routing", "weights"}),
+    workspace=lambda layer, cfg: merge_workspace(layer, cfg),
 )

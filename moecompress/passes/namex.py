@@ -66,6 +66,7 @@ from moecompress.passes.expert_merging import (
     check_mergeable,
     chosen_later,
     merge_needs,
+    merge_workspace,
     merged_shape,
     plan_merge,
     summarize_merging,
@@ -206,6 +207,16 @@ def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -
     return out["complex"] if keep else merged
 
 
+def _workspace(layer: MoELayer, cfg: NamexConfig) -> int:
+    """:func:`~moecompress.passes.expert_merging.merge_workspace`: while a group is bargained, its members and
+    task vectors, the Nash and frequency directions and one γ candidate (3 experts); while refining, the
+    merged experts once per momentum run besides the unrefined ones (2 or 3 sets), with one expert's
+    parameters, best iterate, gradients and complex momentum (5 experts)."""
+    if not cfg.refine_steps:
+        return merge_workspace(layer, cfg, 1, 3)
+    return merge_workspace(layer, cfg, 3 if cfg.phase else 2, 5)
+
+
 def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
     out = summarize_merging(infos, cfg)
     groups = [grp for i in sorted(infos) for grp in infos[i]["merged_groups"]]
@@ -234,4 +245,5 @@ SPEC = PassSpec(
     plan=plan_budget,
     plans=chosen_later,
     summarize=lambda i, c: _summarize(i, c), alters=frozenset({"routing", "weights"}),
+    workspace=lambda layer, cfg: _workspace(layer, cfg),
 )

@@ -51,7 +51,7 @@ from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
 from moecompress.methods.structure import allocate, mode_bases, tucker_residual
-from moecompress.methods.tucker import decompose, tucker_ranks
+from moecompress.methods.tucker import decompose, decompose_workspace, tucker_ranks
 from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 from moecompress.passes.neuron_pruning import one_width_members
 from moecompress.reference import moe_forward
@@ -269,10 +269,11 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
 
 
 def _workspace(layer: MoELayer) -> int:
-    """One projection's experts stacked and whitened in float64, and the HOSVD's unfoldings and
-    factors of it (tensorly): about four copies of ``M × out × in`` float64 values."""
+    """One projection at a time (:func:`~moecompress.methods.tucker.decompose_workspace`): its experts
+    stacked, whitened in float64 and decomposed by tensorly's HOSVD. Every projection has ``E·I·H``
+    weights; every expert is counted (protected ones are not stacked: an upper bound)."""
     e, i, h = layer.experts.gate.shape
-    return 4 * e * i * h * 8
+    return decompose_workspace(e, i, h, layer.experts.gate.dtype.itemsize)
 
 
 SPEC = PassSpec(

@@ -4,6 +4,11 @@ after (and for early stopping), the loss curve, tokens/s and peak memory.
 Deterministic given the seed: batches are drawn from a private generator, the projectors are seeded
 (:class:`~moecompress.training.losses.Objective`), the models run in eval mode (no dropout) and on
 CPU every kernel is deterministic. Protected experts are restored after each step.
+
+Under ``torchrun`` (``ranks``, the student sharded by :mod:`moecompress.training.fsdp`) every rank draws
+the same batches, runs its own share of each batch's sequences and weights its loss by its share of the
+positions; the gradients are summed across ranks (the gradient of the global mean loss) and the held-out
+loss runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from moecompress.engine.distributed import SINGLE, Ranks
 from moecompress.methods.distill import sft_loss
+from moecompress.training.fsdp import Sharded, my_rows
 from moecompress.training.losses import Objective, Teacher, forward_hidden, shift
 from moecompress.training.student import LayoutMoE
 
@@ -52,6 +59,11 @@ def peak_memory_mb(device: str) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+def _forward(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_hidden`; an FSDP2 root (:class:`~moecompress.training.fsdp.Sharded`) through its own forward."""
+    return model(ids) if isinstance(model, Sharded) else forward_hidden(model, ids)
+
+
 @torch.no_grad()
 def heldout_loss(model: nn.Module, ids: torch.Tensor, batch: int) -> float:
     """Mean next-token cross entropy of ``model`` on ``ids`` (every position counts once)."""
@@ -59,7 +71,7 @@ def heldout_loss(model: nn.Module, ids: torch.Tensor, batch: int) -> float:
     device = next(model.parameters()).device
     for s in range(0, len(ids), batch):
         part = ids[s : s + batch].to(device)
-        _, logits = forward_hidden(model, part)
+        _, logits = _forward(model, part)
         k = part.shape[0] * (part.shape[1] - 1)
         total += float(sft_loss(logits, shift(part))) * k
         n += k
@@ -113,13 +125,15 @@ def train(
     state_dir: Path | None = None,
     on_step: Callable[[int], None] | None = None,
     routed: list[nn.Module] = (),
+    ranks: Ranks = SINGLE,
 ) -> TrainResult:
     """Train ``params`` of ``student`` for ``cfg.steps`` steps (fewer when early stopping triggers:
     ``eval_every`` > 0 and the held-out loss did not improve for ``patience`` evaluations; the best
     parameters are then restored). With ``state_dir`` and ``cfg.save_every``, the whole training state
     is saved every ``save_every`` steps and a saved state is resumed (the result is bit-identical to an
     uninterrupted run). ``routed``: routed LoRA wrappers whose router load-balancing term, times
-    ``cfg.lora_balance``, is added to the loss (mean over them; LoRA-Mixer)."""
+    ``cfg.lora_balance``, is added to the loss (mean over them; LoRA-Mixer). ``ranks``: the FSDP2 ranks
+    (see the module docstring; ``student`` is then the sharded root)."""
     res = TrainResult()
     routed = list(routed) if getattr(cfg, "lora_balance", 0) > 0 else []
     saved = _load_state(state_dir)
@@ -144,13 +158,15 @@ def train(
     for step, idx in enumerate(bar, start=1):
         if step <= start:
             continue
-        part = train_ids[idx].to(device)
+        mine = idx if ranks.world_size == 1 else my_rows(idx, ranks)
+        share = mine.numel() / idx.numel()  # of the batch's positions (sequences of one length)
+        part = train_ids[mine].to(device)
         targets = shift(part)
         t = teacher(part)
         _rounding(moes, cfg.token_rounding)
         _track(routed, True)
         try:
-            h_s, logits = forward_hidden(student, part)
+            h_s, logits = _forward(student, part)
         finally:
             _rounding(moes, None)
             _track(routed, False)
@@ -159,6 +175,8 @@ def train(
             balance = torch.stack([m.balance for m in routed]).mean()
             res.balance_curve.append(float(balance.detach()))
             loss = loss + cfg.lora_balance * balance
+        if ranks.world_size > 1:
+            loss = loss * share
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip > 0:
@@ -166,8 +184,11 @@ def train(
         opt.step()
         for moe in moes.values():
             moe.restore_frozen()
-        res.curve.append(float(loss.detach()))
-        res.tokens += part.numel()
+        value = float(loss.detach())
+        if ranks.world_size > 1:  # the ranks' weighted parts, in rank order (float64)
+            value = sum(v[0] for v in ranks.all_gather_f64([value], 1))
+        res.curve.append(value)
+        res.tokens += idx.numel() * train_ids.shape[1]
         res.steps = step
         bar.set_postfix(loss=f"{res.curve[-1]:.4f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:

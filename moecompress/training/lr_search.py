@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moecompress.engine.distributed import SINGLE, Ranks
 from moecompress.training.loop import train
 from moecompress.training.losses import Objective, Teacher
 from moecompress.training.student import LayoutMoE
@@ -44,8 +45,10 @@ def choose_lr(
     *,
     device: str = "cpu",
     routed: list[nn.Module] = (),
+    ranks: Ranks = SINGLE,
 ) -> tuple[float, list[dict]]:
-    """``(chosen lr, one row per candidate)``; ``params`` are left exactly as they were."""
+    """``(chosen lr, one row per candidate)``; ``params`` are left exactly as they were. ``ranks``: the
+    FSDP2 ranks (every rank scores the whole held-back set, so every rank chooses the same lr)."""
     n = probe_steps(cfg)
     init = [p.detach().clone() for p in params]
     rows = []
@@ -53,7 +56,7 @@ def choose_lr(
         probe = cfg.model_copy(update={"lr": lr, "steps": n, "eval_every": 0, "save_every": 0,
                                        "projector_steps": min(cfg.projector_steps, n)})  # fmt: skip
         res = train(student, moes, params, make_objective(), teacher, train_ids, hold_ids, probe, device=device,
-                    progress=False, routed=routed)  # fmt: skip
+                    progress=False, routed=routed, ranks=ranks)  # fmt: skip
         with torch.no_grad():
             for p, v in zip(params, init):
                 p.copy_(v)

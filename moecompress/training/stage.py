@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from moecompress.calibration.sources import load_token_ids
+from moecompress.engine.distributed import SINGLE
 from moecompress.errors import CheckpointError, PassError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.runtime.lora_mixer import CONFIG_KEY, RoutedLoRALinear
 from moecompress.training.attention_lora import stored_adapters
+from moecompress.training.fsdp import collectives, full_state, plain_student, shard
 from moecompress.training.loop import train
 from moecompress.training.losses import Objective, Teacher
 from moecompress.training.student import build_model, group_of, non_moe_parameters
@@ -129,19 +132,36 @@ def run_distill(job) -> dict:
         return obj
 
     params, mods = _parameters(student, moes, cfg, student_ck)
+    ranks = job.ranks or SINGLE
+    model = student
+    if ranks.world_size > 1:  # FSDP2 (training/fsdp.py): the student sharded, each rank a share of a batch
+        if mods:
+            raise PassError(f"{job.label}: the input stores routed attention adapters, which are not sharded "
+                            "under torchrun; run one process")  # fmt: skip
+        if cfg.batch < ranks.world_size:
+            raise PassError(f"{job.label}: batch {cfg.batch} is smaller than the {ranks.world_size} ranks; "
+                            "raise batch or run fewer ranks")  # fmt: skip
+        model, params = shard(student, params, job.label)
     own = {id(p) for p in params}
+    n_trainable = sum(p.numel() for p in params)  # (sharded: the global shapes)
     routed = [m for m in mods.values() if isinstance(m, RoutedLoRALinear) and id(m.router) in own]
     searched = []
     if cfg.lr == "auto":
         from moecompress.training.lr_search import choose_lr
 
-        lr, searched = choose_lr(student, moes, params, make_objective, teacher, train_ids, hold_ids, cfg,
-                                 device=device, routed=routed)  # fmt: skip
+        with collectives(ranks, job.label) if ranks.world_size > 1 else nullcontext():
+            lr, searched = choose_lr(model, moes, params, make_objective, teacher, train_ids, hold_ids, cfg,
+                                     device=device, routed=routed, ranks=ranks)  # fmt: skip
         cfg = cfg.model_copy(update={"lr": lr})
     state = None if job.state_dir is None else Path(job.state_dir)
-    res = train(student, moes, params, make_objective(cfg), teacher, train_ids, hold_ids, cfg, device=job.device,
-                progress=job.progress, state_dir=state, routed=routed)  # fmt: skip
-    trained = non_moe_parameters(student) if cfg.trainable == "all" else {}
+    with collectives(ranks, job.label) if ranks.world_size > 1 else nullcontext():
+        res = train(model, moes, params, make_objective(cfg), teacher, train_ids, hold_ids, cfg, device=job.device,
+                    progress=job.progress, state_dir=state, routed=routed, ranks=ranks)  # fmt: skip
+        gathered = full_state(model) if ranks.world_size > 1 else None
+    if gathered is not None:  # rank 0 gathers the whole student and writes as one process; the others nothing
+        del model, student, moes, params
+        student, moes = plain_student(student_ck, cfg, gathered) if ranks.is_writer else (None, {})
+    trained = non_moe_parameters(student) if cfg.trainable == "all" and student is not None else {}
     adapters = None
     if mods:
         from moecompress.training.attention_lora import adapter_payload, checkpoint_names, merged_weights
@@ -150,15 +170,16 @@ def run_distill(job) -> dict:
         routed = {n: m for n, m in mods.items() if isinstance(m, RoutedLoRALinear)}
         if routed:
             adapters = adapter_payload(routed, cfg, student_ck.raw_config.get(CONFIG_KEY))
-    write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size,
-                  adapters=adapters)  # fmt: skip
+    if ranks.is_writer:
+        write_trained(student_ck, moes, trained, Path(job.output_dir), max_shard_size=job.max_shard_size,
+                      adapters=adapters)  # fmt: skip
     summary = {
         "method": cfg.method,
         "trainable": cfg.trainable,
         "target": cfg.target if cfg.trainable == "lora" else None,
         "lr": cfg.lr,
         "lr_search": searched,
-        "trainable_params": sum(p.numel() for p in params),
+        "trainable_params": n_trainable,
         "steps": res.steps,
         "stopped_early": res.stopped_early,
         "train_tokens": res.tokens,

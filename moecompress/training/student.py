@@ -196,9 +196,12 @@ class LayoutMoE(nn.Module):
 
     @torch.no_grad()
     def restore_frozen(self) -> None:
+        """Under FSDP2 (a sharded parameter) on this rank's rows of the mask and the original only."""
         params = self.named_stored()
         for n, (mask, orig) in self.frozen.items():
-            params[n].copy_(torch.where(mask, orig, params[n]))
+            p = params[n]
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.copy_(torch.where(local_rows(mask, p), local_rows(orig, p), local))
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
@@ -259,3 +262,15 @@ def build_model(ckpt: Checkpoint, device: str = "cpu") -> tuple[nn.Module, dict[
 def non_moe_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The transformers parameters outside the MoE blocks, by their state-dict name."""
     return {n: p for n, p in model.named_parameters() if ".params." not in n}
+
+
+def local_rows(full: torch.Tensor, param) -> torch.Tensor:
+    """The rows of ``full`` that ``param``'s local shard holds (FSDP2: dim 0 in ``torch.chunk`` parts)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return full
+    mesh = param.device_mesh
+    parts = list(torch.chunk(full, mesh.size(), dim=0))
+    r = mesh.get_local_rank()
+    return parts[r] if r < len(parts) else full[:0]

@@ -1,0 +1,125 @@
+"""The ``distill`` / ``lora_heal`` stage under ``torchrun``: the student trained with FSDP2
+(``torch.distributed.fsdp.fully_shard``) over the process group :func:`moecompress.engine.distributed.start`
+began, data-parallel (``docs/training.md``, ``docs/distributed.md``).
+
+- **Units.** Every decoder layer (attention + :class:`~moecompress.training.student.LayoutMoE`) is one
+  FSDP2 unit, then :class:`Sharded` (a root module holding the student) takes what is left: embeddings,
+  final norm, head. FSDP2 shards per parameter (dim 0, ``torch.chunk``), so a unit may hold trainable and
+  frozen parameters together (frozen ones get no gradient and no reduce-scatter); ``requires_grad`` is set
+  on the trainable parameters *before* sharding, since FSDP2 builds each unsharded parameter once.
+- **Data.** Every rank draws the same seeded batch indices; rank ``r`` takes the ``r``-th of
+  ``torch.tensor_split(indices, N)`` (fixed order, disjoint) and runs the teacher and the student on it.
+  Its loss (a mean over its positions) is weighted by its share of the batch's positions and the gradients
+  are *summed* across ranks (divide factor 1), so the gradient is one process's mean-loss gradient; the
+  logged loss is the float64 sum of the weighted parts in rank order.
+- **Writing.** Rank 0 gathers the full state dict (``get_model_state_dict``, full and CPU-offloaded),
+  loads it into a plain student and writes it as one process does; the other ranks write nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from moecompress.errors import Interrupted, PassError
+from moecompress.training.losses import forward_hidden
+
+
+def unsupported(cfg) -> str | None:
+    """Why a stage config cannot train under ``torchrun`` (``None``: it can)."""
+    if cfg.method == "residual":
+        return "method: residual (its beta and mask normalise over the whole batch)"
+    if cfg.token_rounding is not None:
+        return "token_rounding (tiles are rounded over the whole batch)"
+    if cfg.trainable == "lora" and cfg.target != "experts":
+        return f"target: {cfg.target} (attention LoRA wrappers are not sharded)"
+    if cfg.save_every:
+        return "save_every (the resumable training state is one process's)"
+    return None
+
+
+class Sharded(nn.Module):
+    """The FSDP2 root: ``forward(ids)`` is :func:`forward_hidden` of the student, so the root unit's hooks
+    run around the whole forward (``forward_hidden`` calls the inner model and the head directly)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward_hidden(self.lm, ids)
+
+
+def shard(student: nn.Module, params: list[nn.Parameter], label: str) -> tuple[Sharded, list]:
+    """``student`` sharded in place (decoder layers, then the root); returns the root and ``params``
+    as the sharded parameters (FSDP2 registers new ones)."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in student.named_parameters()}
+    missing = [p for p in params if id(p) not in names]
+    if missing:
+        raise PassError(f"{label}: {len(missing)} trainable tensor(s) outside the student cannot be sharded")
+    want = [names[id(p)] for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    root = Sharded(student)
+    units = [*student.model.layers, root]
+    for unit in units:
+        fully_shard(unit)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # summed: each rank's loss is already weighted by its share
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM or AVG)
+    now = dict(student.named_parameters())
+    return root, [now[n] for n in want]
+
+
+def my_rows(idx: torch.Tensor, ranks) -> torch.Tensor:
+    """This rank's share of a batch's sequence indices (the ``rank``-th of ``N`` contiguous parts)."""
+    return torch.tensor_split(idx, ranks.world_size)[ranks.rank]
+
+
+def full_state(root: Sharded) -> dict[str, torch.Tensor]:
+    """The student's full state dict on CPU (rank 0; empty elsewhere), by the student's own names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("lm."): v for k, v in sd.items()}
+
+
+def plain_student(ckpt, cfg, state: dict[str, torch.Tensor]):
+    """A one-process student of ``ckpt`` (with the stage's expert LoRA) holding ``state``: what rank 0 writes."""
+    from moecompress.training.student import build_model
+
+    model, moes = build_model(ckpt, "cpu")
+    if cfg.trainable == "lora":
+        for i, moe in moes.items():
+            moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    left = [k for k in own if k not in state and not k.endswith("inv_freq")]
+    if left:
+        raise PassError(f"the gathered state misses {left[:3]}")
+    return model, moes
+
+
+WIRE = ("gloo", "nccl", "connection", "peer", "timed out", "timeout")
+"""What the message of a collective that failed because another rank went says (gloo raises a plain
+``RuntimeError``); any other error goes through unchanged."""
+
+
+@contextmanager
+def collectives(ranks, label: str) -> Iterator[None]:
+    """FSDP2's own collectives failing (another rank died) as :class:`Interrupted`, one line."""
+    try:
+        yield
+    except RuntimeError as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        if not isinstance(err, torch.distributed.DistError) and not any(w in first.lower() for w in WIRE):
+            raise
+        raise Interrupted(
+            f"rank {ranks.rank} of {ranks.world_size}: {label}: training failed, another rank "
+            f"stopped or is unreachable ({first})"
+        ) from None
