@@ -103,7 +103,12 @@ def test_one_step_matches_a_hand_written_backward_and_adamw_step(pruned, tiny):
     trained = [p for n, p in student.named_parameters() if ".params." in n]
     moved = 0
     for a, b in zip(trained, hp):
-        assert torch.allclose(a, b, rtol=0, atol=1e-3 * 1e-3), "the stage's step differs from the hand-written one"
+        # AdamW divides each element's gradient by its own magnitude (+ eps 1e-8): where the gradient is a
+        # near-cancelling sum near eps, float32 rounding of the two backward formulas (kd_loss's exact
+        # softmax difference, autograd's here) changes the step by up to ~0.01·lr; elsewhere 1e-3·lr
+        small = b.grad.abs() < 1e-7
+        atol = torch.where(small, 1e-2 * 1e-3, 1e-3 * 1e-3)
+        assert ((a - b).abs() <= atol).all(), "the stage's step differs from the hand-written one"
         moved += int((a != b.detach()).sum() == 0)
     assert any(not torch.equal(a, b) for a, b in zip(trained, [p for n, p in copy.deepcopy(hand).named_parameters()
                if ".params." in n])) or moved  # fmt: skip

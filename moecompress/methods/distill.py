@@ -19,13 +19,32 @@ def sft_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets)
 
 
+class _KL(torch.autograd.Function):
+    """KL(softmax(t) ‖ softmax(s)) summed over positions, with the exact gradient ``softmax(s) − softmax(t)``
+    with respect to ``s``: exactly zero where the two agree. (Autograd's log-softmax backward gives
+    ``p_t·(Σp − 1)``-sized float rounding there, ~1e-10, which AdamW's per-element normalisation turns
+    into lr-sized steps: a student equal to its teacher drifted away from it.)"""
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        log_s, log_t = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+        ctx.save_for_backward(log_s, log_t)
+        return (log_t.exp() * (log_t - log_s)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        log_s, log_t = ctx.saved_tensors
+        return grad * (log_s.exp() - log_t.exp()), None
+
+
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """KL(teacher ‖ student) of the temperature-softened distributions, times ``temperature²`` (so the
-    gradient scale does not depend on it, Hinton et al.), mean over positions; 0 when they agree."""
+    gradient scale does not depend on it, Hinton et al.), mean over positions; 0 when they agree, and
+    so is its gradient, exactly (:class:`_KL`). The teacher is not differentiated."""
     t = float(temperature)
-    log_s = F.log_softmax(student_logits.float() / t, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * t * t
+    s = student_logits.float().reshape(-1, student_logits.shape[-1]) / t
+    n = s.shape[0]
+    return _KL.apply(s, teacher_logits.detach().float().reshape(-1, s.shape[-1]) / t) / n * t * t
 
 
 def hidden_mse(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
@@ -52,11 +71,12 @@ def fuse_experts(outputs: torch.Tensor, weights: torch.Tensor, mode: str = "atte
     return (fused * w).sum(dim=1)
 
 
-def residual_beta(student_hidden: torch.Tensor, projected: torch.Tensor, d_a: int) -> torch.Tensor:
-    """β = sqrt(d_S / d_A) · mean_i ‖h^S_i‖ / ‖proj_i‖ (a detached scalar)."""
+def residual_beta(student_hidden: torch.Tensor, projected: torch.Tensor, d_a: int, dims: bool = True) -> torch.Tensor:
+    """β = sqrt(d_S / d_A) · mean_i ‖h^S_i‖ / ‖proj_i‖ (a detached scalar); ``dims=False`` drops the
+    sqrt(d_S / d_A) factor (the residual then has the student's mean hidden norm)."""
     d_s = student_hidden.shape[-1]
     ratio = student_hidden.float().norm(dim=-1) / projected.float().norm(dim=-1).clamp_min(1e-12)
-    return (math.sqrt(d_s / d_a) * ratio.mean()).detach()
+    return ((math.sqrt(d_s / d_a) if dims else 1.0) * ratio.mean()).detach()
 
 
 def teacher_wrong(teacher_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
