@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -107,9 +108,22 @@ def _recipe(tmp_path, name: str, steps: list, **over) -> tuple:
     return paths
 
 
+@contextmanager
+def _one_thread():
+    """The ranks run with ``OMP_NUM_THREADS=1`` (``_env``); the one-process reference must too: with two
+    intra-op threads a matmul may split its reduction differently, and the bytes differ."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _compare(tmp_path, name: str, steps: list) -> None:
     one, two = _recipe(tmp_path, name, steps)
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     runs = _two_ranks(two)
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
     ref = _hashes(tmp_path / f"{name}-one")
@@ -248,7 +262,8 @@ def test_codequant_is_byte_identical(model):
 @pytest.mark.slow
 def test_a_killed_rank_fails_cleanly_and_resume_gives_the_same_bytes(model):
     one, two = _recipe(model, "k", [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 8}}])
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     first = _two_ranks(two, die=True)
     assert first[1].returncode == 9
     assert first[0].returncode == Interrupted.exit_code, first[0].stderr[-2000:]
@@ -264,7 +279,8 @@ def test_a_killed_rank_fails_cleanly_and_resume_gives_the_same_bytes(model):
 @pytest.mark.slow
 def test_torchrun_launch_is_byte_identical(model):
     one, two = _recipe(model, "tr", [{"heapr": {"ratio": 0.25}}])
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
            "-m", "moecompress.cli", "apply", str(two), "--quiet"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -277,7 +293,8 @@ def test_torchrun_launch_is_byte_identical(model):
 def test_one_process_is_unchanged_by_a_world_of_one(model):
     """WORLD_SIZE=1 (or none) is the one-process path: no process group, same bytes."""
     one, two = _recipe(model, "w1", [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 8}}])
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
     done = subprocess.run([sys.executable, "-m", "moecompress.cli", "apply", str(two), "--quiet"], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
@@ -328,7 +345,8 @@ def _compare_sharded(tmp_path, name: str, steps: list, served: int, **over) -> N
             rec = yaml.safe_load(path.read_text())
             rec["calibration"] = {**over["calibration"], "cache_dir": rec["calibration"]["cache_dir"]}
             path.write_text(yaml.safe_dump(rec))
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     runs = _sharded(two)
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
     assert f"SERVED {served}" in runs[1].stdout
@@ -407,7 +425,8 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
         rec = yaml.safe_load(path.read_text())
         small = {**rec["calibration"], "samples": 6, "seq_len": 8} if calibrated else DATA_FREE
         path.write_text(yaml.safe_dump({**rec, "calibration": small}))
-    ref = mc.apply(str(one), progress=False).report
+    with _one_thread():
+        ref = mc.apply(str(one), progress=False).report
     rec = mc.load_recipe(str(two))
     ckpt = open_checkpoint(rec.model)
     plan, wire, out = dry_run(rec, ckpt), {}, {}
@@ -487,7 +506,8 @@ def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
 def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_the_same_bytes(model):
     steps = [{"heapr": {"ratio": 0.25}}, {"rtn": {"bits": 4}}]
     one, two = _recipe(model, "kl", steps)
-    mc.apply(str(one), progress=False)
+    with _one_thread():
+        mc.apply(str(one), progress=False)
     first = _sharded(two, die_at=2)  # rank 1 dies in its chunk of the second MoE layer
     assert first[1].returncode == 9
     assert first[0].returncode == Interrupted.exit_code, first[0].stderr[-2000:]
