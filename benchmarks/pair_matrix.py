@@ -149,15 +149,17 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", default=["qwen3_moe", "deepseek_v3"], help="model types, or all")
-    p.add_argument("--steps", choices=["all", "common", "fast", "triples"], default="all",
-                   help="pairs of every built-in step (STEPS), of the 14 common ones (COMMON), the natural chains "
-                   "(FAST), or 40 sampled triples of common steps")
+    p.add_argument("--steps", choices=["all", "common", "rest", "fast", "triples"], default="all",
+                   help="pairs of every built-in step (STEPS), of the 14 common ones (COMMON), the pairs of all "
+                   "with another step (rest), the natural chains (FAST), or 40 sampled triples of common steps")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     a = p.parse_args()
     archs = MODEL_TYPES if a.arch == ["all"] else a.arch
     names = COMMON if a.steps == "common" else list(STEPS)
     pairs = {"fast": FAST, "triples": triples()}.get(a.steps) or [(x, y) for x in names for y in names]
+    if a.steps == "rest":
+        pairs = [(x, y) for x in STEPS for y in STEPS if x not in COMMON or y not in COMMON]
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         rows = matrix(archs, pairs, Path(root), a.workers)

@@ -30,6 +30,8 @@ IMPOSSIBLE = [
     ("rtn_then_merge", [{"rtn": {}}, {"merge_experts": {"ratio": 0.5}}], "step 2 (merge_experts)", "merge before"),
     ("uniform_prune_then_group", [{"heapr": {"ratio": 0.5, "layout": "uniform"}}, {"rtn": {"group_size": 32}}],
      "step 2 (rtn)", "does not divide the 16 input channels"),
+    ("rtn_then_ablate", [{"rtn": {}}, {"ablate_experts": {"experts": [{"layer": 0, "experts": [0]}]}}],
+     "step 2 (ablate_experts)", "ablate before"),
     ("codequant_then_tdmoe", [{"codequant": {}}, {"tdmoe": {}}], "step 2 (tdmoe)", "'codebook'"),
     ("prune_then_collapse_too_many", [{"expert_prune": {"ratio": 0.5}}, {"namex": {"target_experts": 6, "router": "collapse"}}],
      "step 2 (namex)", "keeps 6 of the layer's 4 experts"),

@@ -37,6 +37,11 @@ def _check(layer: MoELayer, cfg: AblateConfig) -> None:
     for t in cfg.experts:
         if t.layer == layer.index and any(not 0 <= e < layer.router.num_experts for e in t.experts):
             raise PassError(f"experts {t.experts} out of range [0, {layer.router.num_experts})")
+    if any(t.layer == layer.index for t in cfg.experts) and not isinstance(layer.experts.down, Dense):
+        raise PassError(
+            f"ablate_experts needs a dense down projection, got {layer.experts.down.kind!r}; ablate before "
+            "pruning, decomposing or quantising"
+        )
 
 
 def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tuple[MoELayer, dict]:
@@ -45,8 +50,6 @@ def ablate_experts(layer: MoELayer, stats: LayerStats, cfg: AblateConfig) -> tup
     if not targets:
         return layer, {"ablated": []}
     _check(layer, cfg)
-    if not isinstance(layer.experts.down, Dense):
-        raise PassError(f"ablate_experts needs a dense down projection, got {layer.experts.down.kind!r}")
     down = layer.experts.down.weight.clone()
     for e in targets:
         down[layer.physical(e)] = 0
