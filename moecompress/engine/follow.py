@@ -34,7 +34,7 @@ from moecompress.errors import PassError, RecipeError
 from moecompress.ir import MoELayer, cast_layer, layer_to
 from moecompress.reference import moe_forward
 
-_KEEP_ALWAYS = ("holdout_x", "moe_inputs", "router_sample_base", "io_sample_x")
+_KEEP_ALWAYS = ("holdout_x", "moe_inputs", "router_sample", "router_sample_base", "io_sample_x")
 
 
 def _refusal(name: str) -> bool:
