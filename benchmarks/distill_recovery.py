@@ -4,7 +4,8 @@ method, at equal steps and tokens (issue 16).
     python benchmarks/distill_recovery.py [--shared ../shared] [--model ref-qwen3moe]
         [--compress heapr|tdmoe|namex] [--ratio 0.5] [--methods kd hidden_mse sft residual ...]
         [--steps 60] [--batch 4] [--seq-len 128] [--lr auto|1e-3] [--lr-probe-steps 0]
-        [--samples N] [--threads 1] [--work DIR] [--json PATH] [--jsonl PATH]
+        [--samples N] [--set KEY=VALUE ...] [--label TEXT] [--threads 1] [--work DIR] [--json PATH]
+        [--jsonl PATH]
 
 The model is compressed once (``heapr``: global, ragged; ``tdmoe``: Tucker, input whitening;
 ``namex``: expert merging) at ``--ratio``, then each method trains the compressed model against the
@@ -16,8 +17,10 @@ repetition). ``--lr auto`` (the default) lets every method choose its lr from th
 evaluation text); the probes' CPU seconds are reported beside the training's. Perplexity is
 measured by ``mc.evaluate`` on the held-out split (last 2 % of every corpus file, 16,384 tokens in
 windows of 256), which training never reads and nothing is tuned on. "recovered" is
-``(ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_base)``. Times are the stage's wall and thread CPU
-seconds (the machine is shared: wall time is noisy).
+``(ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_base)``; the same on out-of-domain text
+(``benchmarks/ood_text.py``: license texts the corpus does not hold, never trained on) is
+``ood_recovered`` (issue 38). ``--set`` overrides a stage setting for every method (ablations).
+Times are the stage's wall and thread CPU seconds (the machine is shared: wall time is noisy).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
+from ood_text import ood_windows, score
 from transformers.utils import logging as hf_logging
 
 import moecompress as mc
@@ -45,6 +50,9 @@ METHODS = {
     "residual-nomask": {"method": "residual", "mask": False},
     "residual-nopretrain": {"method": "residual", "pretrain_projector": False},
     "residual-mean": {"method": "residual", "fusion": "mean"},
+    "residual-paper": {"method": "residual", "beta": True},  # METHODS.md §6's β (the default before issue 38)
+    "residual-paper-nodims": {"method": "residual", "beta": True, "beta_dims": False},
+    "residual-init-teacher": {"method": "residual", "beta": True, "projector_init": "teacher"},
     "kd-router": {"method": "kd", "trainable": "router"},
     "kd-all": {"method": "kd", "trainable": "all"},
     "kd-lora": {"method": "kd", "trainable": "lora", "lora_rank": 8},
@@ -81,6 +89,9 @@ def main() -> None:
     ap.add_argument("--lr-grid", type=float, nargs="+", help="lr auto: the candidates (default: the stage's)")
     ap.add_argument("--lr-probe-steps", type=int, default=0, help="lr auto: steps per candidate (0: steps // 4)")
     ap.add_argument("--seed", type=int, default=0, help="the stage's seed (batches, LoRA and projector init)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="override the stage's settings for every method (YAML values), e.g. lambda_res=0.9")
+    ap.add_argument("--label", default="", help="appended to each row's method name (ablations)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
     ap.add_argument("--work", help="work dir (default: a temp dir, deleted at the end)")
     ap.add_argument("--json", help="also write all rows to this JSON file")
@@ -102,7 +113,12 @@ def main() -> None:
     base = mc.load(model)
     ppl_base = mc.evaluate(model, **ev)["perplexity"]
     ppl_pruned = mc.evaluate(pruned, against=base, **ev)["perplexity"]
-    print(f"{args.model}: base {ppl_base:.2f}, {args.compress} {args.ratio:g} {ppl_pruned:.2f}", flush=True)
+    windows, ood_sha = ood_windows(model / "tokenizer.json")
+    ood_base = score(base, windows)["perplexity"]
+    ood_pruned = score(pruned, windows, against=base)["perplexity"]
+    print(f"{args.model}: base {ppl_base:.2f}, {args.compress} {args.ratio:g} {ppl_pruned:.2f}; "
+          f"out of domain {ood_base:.2f} -> {ood_pruned:.2f}", flush=True)  # fmt: skip
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     lr = args.lr if args.lr == "auto" else float(args.lr)
     rows = []
     for label in args.methods:
@@ -110,6 +126,7 @@ def main() -> None:
         step = {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "samples": args.samples or args.steps * args.batch + 8,
                 "holdout": 8, "lr": lr, "lr_probe_steps": args.lr_probe_steps, "teacher": str(model), "data": source,
                 "seed": args.seed, "projector_steps": max(1, args.steps // 3), **METHODS[label]}  # fmt: skip
+        step.update(overrides)
         if args.lr_grid:
             step["lr_grid"] = args.lr_grid
         name = "lora_heal" if step.pop("lora_heal", False) else "distill"
@@ -128,7 +145,11 @@ def main() -> None:
         s = json.loads((out / "steps" / f"01-{name}" / "report.json").read_text())["summary"]
         e = mc.evaluate(out, against=base, **ev)
         lost = ppl_pruned - ppl_base
-        row = {"method": label, "ppl": e["perplexity"], "kl": e["kl"], "top1": e["top1_agreement"],
+        o = score(out, windows, against=base)
+        ood_lost = ood_pruned - ood_base
+        row = {"method": label + args.label, "set": overrides, "ood_ppl": o["perplexity"], "ood_kl": o["kl"],
+               "ood_recovered": (ood_pruned - o["perplexity"]) / ood_lost if ood_lost > 0 else None,
+               "ood_ppl_base": ood_base, "ood_ppl_pruned": ood_pruned, "ood_sha256": ood_sha, "ppl": e["perplexity"], "kl": e["kl"], "top1": e["top1_agreement"],
                "recovered": (ppl_pruned - e["perplexity"]) / lost if lost > 0 else None,
                "train_heldout_before": s["heldout_loss_before"], "train_heldout_after": s["heldout_loss_after"],
                "tokens": s["train_tokens"], "tokens_per_s": s["tokens_per_second"], "train_s": s["train_seconds"],
@@ -149,12 +170,13 @@ def main() -> None:
               "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "rows": rows}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print("| method | params | lr | ppl | KL | top-1 | recovered | train tokens | train CPU s | lr-search CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | params | lr | ppl | KL | top-1 | recovered | OOD ppl | OOD recovered | train tokens | "
+          "train CPU s | lr-search CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['trainable_params']:,} | {r['lr']:g} | {r['ppl']:.2f} | {r['kl']:.4f} | "
-              f"{r['top1']:.3f} | {100 * r['recovered']:.1f}% | {r['tokens']:,} | {r['train_cpu_s']:.1f} | "
-              f"{r['lr_search_cpu_s']:.1f} |")
+              f"{r['top1']:.3f} | {100 * r['recovered']:.1f}% | {r['ood_ppl']:.2f} | {100 * r['ood_recovered']:.1f}% | "
+              f"{r['tokens']:,} | {r['train_cpu_s']:.1f} | {r['lr_search_cpu_s']:.1f} |")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -91,6 +91,10 @@ class DistillConfig(PassConfig):
     projector_steps: int = Field(50, ge=0, description="residual: stage-1 steps")
     projector_lr: float = Field(1e-3, gt=0, description="residual: stage-1 learning rate")
     fusion: Literal["attention", "mean"] = Field("attention", description="residual: MoE teacher expert fusion")
+    beta_dims: bool = Field(True, description="residual: β includes the sqrt(d_S/d_A) factor (false: norm-matched)")
+    projector_init: Literal["random", "teacher"] = Field(
+        "random", description="residual: P^{A→S} starts random, or as the pre-trained P^{A→T} (needs d_S = d_T)"
+    )
 
     @model_validator(mode="after")
     def _holdout_fits(self) -> DistillConfig:

@@ -141,6 +141,7 @@ def train(
         res.heldout_before = heldout_loss(student, hold_ids, cfg.batch)
         if cfg.method == "residual" and cfg.pretrain_projector:
             res.projector_curve = pretrain_projectors(objective, teacher, train_ids, cfg, progress)
+        objective.start_stage2()
     elif cfg.method == "residual" and cfg.pretrain_projector:
         objective.p_ta.requires_grad_(False)
     for p in params:

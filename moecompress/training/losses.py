@@ -92,6 +92,15 @@ class Objective(nn.Module):
         rec = self.p_at(self.p_ta(t["h_t"].float()))
         return m.projector_loss(t["h_t"].float(), rec, self.teacher_head, targets)
 
+    def start_stage2(self) -> None:
+        """``projector_init: teacher``: ``P^{A→S}`` starts as (a copy of) ``P^{A→T}``."""
+        if self.cfg.method == "residual" and self.cfg.projector_init == "teacher":
+            if self.p_as.weight.shape != self.p_at.weight.shape:
+                raise ValueError("projector_init: teacher needs equal student and teacher hidden sizes")
+            with torch.no_grad():
+                self.p_as.weight.copy_(self.p_at.weight)
+                self.p_as.bias.copy_(self.p_at.bias)
+
     def stage2_parameters(self) -> list[nn.Parameter]:
         """The objective's own trainable parameters in stage 2 (``P^{T→A}`` only without pre-training)."""
         if self.cfg.method != "residual":
@@ -108,7 +117,7 @@ class Objective(nn.Module):
         if cfg.method == "hidden_mse":
             return m.hidden_mse(h_s, t["hidden"])
         proj = self.p_as(self.p_ta(t["h_t"].float()))
-        beta = m.residual_beta(h_s, proj, cfg.d_a) if cfg.beta else 1.0
+        beta = m.residual_beta(h_s, proj, cfg.d_a, cfg.beta_dims) if cfg.beta else 1.0
         mask = m.teacher_wrong(t["logits"], targets) if cfg.mask else None
         head = self._student_head
         res = m.residual_loss(h_s, proj, head, targets, mask, beta)
