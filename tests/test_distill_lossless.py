@@ -101,3 +101,26 @@ def test_kd_gradient_is_exactly_zero_where_the_distributions_agree():
     (want,) = torch.autograd.grad(ref, s2)
     assert torch.allclose(g, want, rtol=1e-5, atol=torch.finfo(torch.float32).eps * float(want.abs().max()) * 50)
     assert torch.allclose(kd_loss(s, other, 2.0), ref, rtol=1e-6)
+
+
+def test_residual_beta_sets_the_residual_norm():
+    from moecompress.methods.distill import residual_beta
+
+    g = torch.Generator().manual_seed(0)
+    h, proj = torch.randn(32, 128, generator=g) * 3, torch.randn(32, 128, generator=g) * 0.1
+    one = h.norm(dim=-1) / proj.norm(dim=-1)
+    assert torch.allclose(residual_beta(h, proj, 64), 2**0.5 * one.mean(), rtol=1e-6)
+    assert torch.allclose(residual_beta(h, proj, 64, dims=False), one.mean(), rtol=1e-6)
+    assert not residual_beta(h.requires_grad_(True), proj, 64).requires_grad
+
+
+def test_residual_defaults_and_the_teacher_initialised_projector():
+    cfg = DistillConfig(method="residual")
+    assert not cfg.beta and cfg.beta_dims and cfg.projector_init == "random" and DistillConfig().method == "kd"
+    head = torch.nn.Linear(16, 32, bias=False)
+    obj = Objective(DistillConfig(method="residual", projector_init="teacher", d_a=4), 16, 16, head, 0)
+    assert not torch.equal(obj.p_as.weight, obj.p_at.weight)
+    obj.start_stage2()
+    assert torch.equal(obj.p_as.weight, obj.p_at.weight) and torch.equal(obj.p_as.bias, obj.p_at.bias)
+    with pytest.raises(ValueError, match="equal"):
+        Objective(DistillConfig(method="residual", projector_init="teacher", d_a=4), 8, 16, head, 0).start_stage2()

@@ -85,7 +85,10 @@ class DistillConfig(PassConfig):
     temperature: float = Field(1.0, gt=0, description="kd: softmax temperature")
     d_a: int = Field(64, ge=1, description="residual: projector width d_A")
     lambda_res: float = Field(0.5, ge=0, le=1, description="residual: weight λ of L_res against SFT")
-    beta: bool = Field(True, description="residual: scale the residual by β (false: β = 1)")
+    beta: bool = Field(
+        False, description="residual: the paper's β (true) pins the residual's norm at sqrt(d_S/d_A)·‖h^S‖; "
+        "false (default, issue 38): β = 1, the residual's scale is P^{A→S}'s (generalises better)"
+    )
     mask: bool = Field(True, description="residual: only where the teacher's top-1 is wrong (false: everywhere)")
     pretrain_projector: bool = Field(True, description="residual: stage-1 projector pre-training")
     projector_steps: int = Field(50, ge=0, description="residual: stage-1 steps")

@@ -125,6 +125,8 @@ def run_distill(job) -> dict:
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
         raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
+    if cfg.method == "residual" and cfg.projector_init == "teacher" and d_s != d_t:
+        raise PassError(f"{job.label}: projector_init: teacher needs equal hidden sizes (student {d_s}, teacher {d_t})")
 
     def make_objective(c=cfg) -> Objective:
         obj = Objective(c, d_s, d_t, teacher_model.get_output_embeddings(), c.seed).to(device)
