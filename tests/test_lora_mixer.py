@@ -37,7 +37,9 @@ def pruned(tmp_path_factory):
 
 
 def _heal(src, out, **kw):
-    step = {"lora_heal": {**SMALL, **kw}}
+    # the teacher is the unpruned model: healed against itself, kd's gradient is exactly zero and nothing moves
+    teacher = src.parent / "m"
+    step = {"lora_heal": {**SMALL, **({"teacher": str(teacher)} if teacher.is_dir() else {}), **kw}}
     mc.apply({"model": str(src), "output": str(out), "calibration": CAL, "steps": [step]}, progress=False)
     return json.loads((out / "steps" / "01-lora_heal" / "report.json").read_text())["summary"]
 
