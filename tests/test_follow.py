@@ -121,15 +121,45 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("steps", "words"), REFUSED, ids=range(len(REFUSED)))
-def test_what_cannot_follow_is_refused_in_the_dry_run(tmp_path, model, steps, words):
-    rec = _recipe(model, tmp_path / "out", steps)
+def test_what_cannot_follow_is_refused_in_the_dry_run_under_recalibrate_off(tmp_path, model, steps, words):
+    rec = _recipe(model, tmp_path / "out", steps, recalibrate="off")
     with pytest.raises(RecipeError) as err:
         mc.apply(rec, dry_run=True, progress=False)
     msg = str(err.value)
     assert words in msg and "\n" not in msg and ("put " in msg or "use " in msg), msg
+    assert "recalibrate: auto" in msg, msg  # the fix that keeps the order
     with pytest.raises(RecipeError):
         mc.apply(rec, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "refused before calibration: nothing written"
+
+
+@pytest.mark.parametrize(("steps", "words"), REFUSED, ids=range(len(REFUSED)))
+def test_recalibrate_auto_cuts_the_recipe_before_the_step_and_the_run_loads(tmp_path, model, steps, words):
+    rec = _recipe(model, tmp_path / "out", steps)
+    plan = mc.apply(rec, dry_run=True, progress=False).report["dry_run"]
+    assert plan["segments"] == [["step 1 (" + next(iter(steps[0])) + ")"], ["step 2 (" + next(iter(steps[1])) + ")"]]
+    res = mc.apply(rec, progress=False)
+    assert list(res.report["calibration"]) == ["segment 1", "segment 2"]  # calibrated twice
+    assert [s["name"] for s in res.report["steps"]] == [next(iter(s)) for s in steps]
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(mc.load(tmp_path / "out")(ids).logits).all()
+    assert not any(p.name.endswith(".segments") for p in tmp_path.iterdir())  # staged checkpoints removed
+
+
+def test_recalibrated_step_equals_a_second_recipe_on_the_first_ones_output(tmp_path, model):
+    """The oracle of ``recalibrate: auto``: heapr after namex, cut and calibrated again, writes the same
+    bytes as heapr run as its own recipe on namex's output (same calibration, same tokens)."""
+    from safetensors.torch import load_file
+
+    first, second = {"namex": {"ratio": 0.25, "refine_steps": 0}}, {"heapr": {"scope": "layer", "ratio": 0.25}}
+    res = mc.apply(_recipe(model, tmp_path / "both", [first, second]), progress=False)
+    mc.apply(_recipe(model, tmp_path / "a", [first]), progress=False)
+    mc.apply(_recipe(tmp_path / "a", tmp_path / "b", [second]), progress=False)
+    got, want = load_file(tmp_path / "both" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert res.report["steps"][1]["params_after"] < res.report["steps"][1]["params_before"]  # heapr did prune
 
 
 def test_following_statistics_hold_the_layer_whole(tmp_path, model):

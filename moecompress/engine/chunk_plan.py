@@ -56,7 +56,7 @@ def auto_chunk(
 
 def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int) -> bool:
     """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able)."""
-    able = all(refusal(s) is None for s in recipe.steps) and not follow.required(recipe.steps)
+    able = all(refusal(s) is None for s in recipe.steps) and not follow.required(recipe.steps, recipe.recalibrates)
     return i not in ckpt.layouts and able
 
 
@@ -139,7 +139,7 @@ def check_chunked(recipe: Recipe, i: int, n: int, whole: int, limit: int | None)
     """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` held by
     chunks of ``n`` experts, or a propagation of the compressed layers."""
     how = f"expert_chunk: {recipe.expert_chunk} holds it by chunks of {n} experts"
-    if follow.required(recipe.steps):
+    if follow.required(recipe.steps, recipe.recalibrates):
         raise RecipeError(
             f"layer {i}: a later step reads statistics that an earlier step changes, which follow the layer only "
             f"when it is held whole, but {how}; set expert_chunk: off, or run the steps as two recipes"

@@ -186,7 +186,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             if e["bytes"] > step_memory.get(step.label, {}).get("bytes", -1):
                 step_memory[step.label] = e
     if not c.data_free:
-        follow.verdicts(recipe.steps)  # statistics that cannot follow the layer through the earlier steps
+        follow.verdicts(recipe.steps, recalibrate=recipe.recalibrates)  # statistics that cannot follow the layer
     in_bytes = sum(ckpt.reader.nbytes(k) for k in ckpt.reader.keys)  # in memory (dequantised)
     dequantize = dequantized_output(ckpt, recipe.quantized_input, nonstock)
     rest, scale = in_bytes - moe_in, 1.0  # on disk: what no step rewrites, and bytes per logical MoE byte
@@ -218,4 +218,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         "dequantize_output": dequantize,
     }
     plan["copy_memory_bytes"], plan["copy_largest_tensor"] = resources.copy_peak(ckpt, raw=not dequantize)
+    cut = segments.split(recipe)
+    if len(cut) > 1:  # segments: each calibrated on the previous one's output
+        plan["segments"] = [[s.label for s in seg] for seg in cut]
     return {**plan, **segments.stage_plan(recipe, ckpt, plan)} if segments.has_stages(recipe) else plan

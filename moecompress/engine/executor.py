@@ -308,7 +308,7 @@ def _run(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journal: d
         if not resume and out.exists() and not overwrite and ranks.is_writer:  # it may have appeared meanwhile
             raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
         try:
-            if segments.has_stages(rec):  # whole-model stages: the recipe runs as segments, on every rank
+            if segments.segmented(rec):  # stages or recalibration: the recipe runs as segments, on every rank
                 sub = lambda r, again: _segment(r, again, progress, ranks)  # noqa: E731
                 report = segments.run_segments(rec, ckpt, plan, resume=resume, progress=progress and ranks.is_writer,
                                                run_layers=sub, ranks=ranks)  # fmt: skip

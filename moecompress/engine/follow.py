@@ -41,33 +41,59 @@ def _refusal(name: str) -> bool:
     return CATALOGUE[name].kind == "backward" or name == "route_attrib"
 
 
-def verdicts(steps: Sequence[Any]) -> list[dict[str, str]]:
-    """Per step, the rule for every statistic it reads (``keep``, ``map``, ``sample``, ``replay``). Raises
-    :class:`RecipeError` naming both steps and the fix for a statistic that cannot follow the layer."""
+def verdicts(steps: Sequence[Any], *, recalibrate: bool = False) -> list[dict[str, str]]:
+    """Per step, the rule for every statistic it reads (``keep``, ``map``, ``sample``, ``replay``). A
+    statistic that cannot follow the layer raises :class:`RecipeError` naming both steps and the fix; with
+    ``recalibrate`` the step starts a new segment instead (:func:`cuts`), calibrated afresh, all ``keep``."""
+    return _walk(steps, recalibrate)[0]
+
+
+def cuts(steps: Sequence[Any]) -> list[int]:
+    """``calibration.recalibrate: auto``: the indices of the steps that start a new per-layer segment,
+    calibrated afresh on the previous segment's output, because a statistic they read cannot follow the
+    layer through the earlier steps (a backward or a trace through the changed model, a cross-layer plan)."""
+    return _walk(steps, True)[1]
+
+
+def _cannot_follow(step: Any, stale: dict[str, Any], mapped: dict[str, Any]) -> str | None:
+    for name in sorted(step.needs):
+        if name in stale and _refusal(name):
+            return _why(step, stale[name], name)
+    if step.spec.plans_for(step.config):
+        for name in sorted(step.needs):
+            by = stale.get(name, mapped.get(name))
+            if by is not None:
+                return (
+                    f"{step.label} decides across layers (a plan) from statistic {name!r}, which {by.label} "
+                    f"changes; put {step.spec.name} before step {by.number} ({by.spec.name}), use a "
+                    "configuration that decides per layer, or set calibration.recalibrate: auto"
+                )
+    return None
+
+
+def _walk(steps: Sequence[Any], recalibrate: bool) -> tuple[list[dict[str, str]], list[int]]:
     mapped: dict[str, Any] = {}  # statistic -> the neuron-subset step that mapped it (still exact)
     stale: dict[str, Any] = {}  # statistic -> the step that changed what it depends on
     out: list[dict[str, str]] = []
-    for step in steps:
+    cut: list[int] = []
+    for index, step in enumerate(steps):
         if step.spec.stage is not None:  # the next segment is calibrated on the stage's output
             mapped, stale = {}, {}
             out.append({})
             continue
+        why = _cannot_follow(step, stale, mapped)
+        if why is not None:
+            if not recalibrate:
+                raise RecipeError(why)
+            mapped, stale = {}, {}  # a new segment: this step reads a fresh calibration of its input
+            cut.append(index)
         rules: dict[str, str] = {}
-        for name in sorted(step.needs):
-            if name in stale and _refusal(name):
-                raise RecipeError(_why(step, stale[name], name))
         for name in sorted(step.needs):
             by = stale.get(name, mapped.get(name))
             if by is None:
                 rules[name] = "keep"
-                continue
-            if step.spec.plans_for(step.config):
-                raise RecipeError(
-                    f"{step.label} decides across layers (a plan) from statistic {name!r}, which {by.label} "
-                    f"changes; put {step.spec.name} before step {by.number} ({by.spec.name}), or use a "
-                    "configuration that decides per layer"
-                )
-            rules[name] = "map" if name not in stale else "sample" if name in SAMPLED else "replay"
+            else:
+                rules[name] = "map" if name not in stale else "sample" if name in SAMPLED else "replay"
         out.append(rules)
         if "replay" in rules.values():  # the replay makes every forward statistic fresh
             stale = {n: s for n, s in stale.items() if _refusal(n)}
@@ -80,23 +106,23 @@ def verdicts(steps: Sequence[Any]) -> list[dict[str, str]]:
             else:
                 stale[name] = step
                 mapped.pop(name, None)
-    return out
+    return out, cut
 
 
 def _why(step: Any, by: Any, name: str) -> str:
     kind = "a backward pass" if CATALOGUE[name].kind == "backward" else "a trace through the earlier layers"
     return (
         f"{step.label} reads statistic {name!r}, which {by.label} changes and which needs {kind} through the "
-        f"changed model; put {step.spec.name} before step {by.number} ({by.spec.name}), or run {step.spec.name} "
-        "in a second recipe on this recipe's output"
+        f"changed model; put {step.spec.name} before step {by.number} ({by.spec.name}), or set "
+        "calibration.recalibrate: auto (the recipe is cut there and calibrated again on the changed model)"
     )
 
 
-def extra_needs(steps: Sequence[Any]) -> frozenset[str]:
+def extra_needs(steps: Sequence[Any], recalibrate: bool = False) -> frozenset[str]:
     """What calibration must collect beyond the steps' needs for :func:`verdicts`' rules (none when the
     recipe is refused: the dry run says why)."""
     try:
-        rules = verdicts(steps)
+        rules = verdicts(steps, recalibrate=recalibrate)
     except RecipeError:
         return frozenset()
     extra: set[str] = set()
@@ -108,11 +134,11 @@ def extra_needs(steps: Sequence[Any]) -> frozenset[str]:
     return frozenset(extra)
 
 
-def required(steps: Sequence[Any]) -> bool:
+def required(steps: Sequence[Any], recalibrate: bool = False) -> bool:
     """Whether any statistic of the recipe is mapped, recomputed or replayed (the layer is then held
     whole: not by chunks of experts, not sharded over ranks)."""
     try:
-        return any(v != "keep" for r in verdicts(steps) for v in r.values())
+        return any(v != "keep" for r in verdicts(steps, recalibrate=recalibrate) for v in r.values())
     except RecipeError:
         return False
 

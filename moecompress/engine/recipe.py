@@ -66,6 +66,12 @@ class CalibrationConfig(BaseModel):
         None, ge=1, description="sequences held back for reconstruction errors (default samples // 8, >= 1)"
     )
     propagate: Literal["original", "compressed"] = "original"
+    recalibrate: Literal["auto", "off"] = Field(
+        "auto",
+        description="a step whose statistics cannot follow the layer through earlier steps (gradients or a "
+        "trace through the changed model, a cross-layer plan): auto cuts the recipe there and calibrates the "
+        "changed model again (one more calibration pass and a staged checkpoint); off refuses it in the dry run",
+    )
     sample_tokens: int = Field(512, ge=1, description="size of the bounded sample of MoE inputs/outputs")
     offload: Literal["auto", "ram", "disk"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -230,7 +236,12 @@ class Recipe:
     def needs(self) -> frozenset[str]:
         """What calibration collects for the steps: their needs, and what their statistics need to follow
         the layer through earlier steps (:func:`moecompress.engine.follow.extra_needs`)."""
-        return frozenset().union(*(s.needs for s in self.steps)) | follow.extra_needs(self.steps)
+        return frozenset().union(*(s.needs for s in self.steps)) | follow.extra_needs(self.steps, self.recalibrates)
+
+    @property
+    def recalibrates(self) -> bool:
+        """``calibration.recalibrate: auto`` on a calibrated run: the recipe may be cut (``follow.cuts``)."""
+        return self.calibration.recalibrate == "auto" and not self.calibration.data_free
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 A step whose spec has a ``stage`` (``distill``) needs the whole model, so the recipe is cut there:
 ``[a, b, distill, c]`` runs as the per-layer segment ``[a, b]`` (streamed as always, with its own
 calibration, into a staged checkpoint), the stage (reads that checkpoint, writes one in the same
-layouts), then the segment ``[c]`` (calibrated on the stage's output). Staged checkpoints live in
+layouts), then the segment ``[c]`` (calibrated on the stage's output). Under ``calibration.recalibrate: auto`` the
+recipe is also cut before a step whose statistics cannot follow the layer through the earlier steps
+(``heapr`` after ``expert_prune``: its gradients need a backward through the pruned model), so that step's
+segment is calibrated afresh on the earlier segment's output (``engine/follow.py``). Staged checkpoints live in
 ``.<output>.segments/<n>-<last step>-<hash>/`` beside the output; the hash chains every earlier
 segment's steps, so a finished segment is reused by ``--resume`` only when nothing before it changed.
 At the end the last segment's checkpoint becomes the output, with every step's report (and, under
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from moecompress._version import __version__
 from moecompress.calibration.sources import source_fingerprint
-from moecompress.engine import resources
+from moecompress.engine import follow, resources
 from moecompress.engine.distributed import SINGLE, Ranks
 from moecompress.engine.journal import staging_dir, write_json_atomic
 from moecompress.engine.recipe import Recipe, Step
@@ -45,12 +48,22 @@ def has_stages(rec: Recipe) -> bool:
     return any(s.spec.stage is not None for s in rec.steps)
 
 
+def segmented(rec: Recipe) -> bool:
+    """Whether the recipe runs as more than one segment (a stage, or a cut for recalibration)."""
+    return has_stages(rec) or len(split(rec)) > 1
+
+
 def split(rec: Recipe) -> list[list[Step]]:
-    """The recipe's steps cut at every stage: each stage is a segment of its own."""
+    """The recipe's steps cut at every stage (each stage is a segment of its own) and, under
+    ``calibration.recalibrate: auto``, before every step whose statistics cannot follow the layer through
+    the earlier steps (:func:`moecompress.engine.follow.cuts`): that segment is calibrated afresh."""
+    fresh = set(follow.cuts(rec.steps)) if rec.recalibrates else set()
     out: list[list[Step]] = [[]]
-    for s in rec.steps:
+    for n, s in enumerate(rec.steps):
         if s.spec.stage is not None:
             out += [[s], []]
+        elif n in fresh:
+            out.append([s])
         else:
             out[-1].append(s)
     return [seg for seg in out if seg]
@@ -266,4 +279,4 @@ def leftover_note(rec: Recipe) -> str | None:
     return None
 
 
-__all__ = ["has_stages", "leftover_note", "run_segments", "split", "stage_plan"]
+__all__ = ["has_stages", "leftover_note", "run_segments", "segmented", "split", "stage_plan"]
