@@ -32,7 +32,6 @@ def _plan(model, tmp_path, steps, chunk, **cal):
         {"namex": {"ratio": 0.25}},
         {"merge_experts": {"ratio": 0.25}},
         {"svd_experts": {}},
-        {"gptq": {}},
         {"codequant": {}},
     ],
 )

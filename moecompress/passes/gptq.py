@@ -20,7 +20,8 @@ processes columns by decreasing ``diag H`` with the groups' scales taken from th
 The output is the :class:`~moecompress.layouts.rtn.RTN` layout, so everything that reads an ``rtn``
 output reads this one; ``symmetric: true`` with 4 or 8 bits exports with ``moecompress export --format
 compressed-tensors`` (vLLM). Protected (super) experts stay dense and bit-identical; routers, shared
-experts and biases are untouched. An expert that received no calibration tokens (zero Hessian) is
+experts and biases are untouched. Every expert's result depends on that expert alone, so a layer larger
+than memory runs by chunks of experts (``expert_chunk``), byte-identical to the whole layer. An expert that received no calibration tokens (zero Hessian) is
 rounded to nearest (exactly ``rtn``; listed in the report as ``rtn_fallback``). Dense or neuron-pruned
 (ragged, quantised at full width) input only.
 
@@ -47,7 +48,7 @@ import dataclasses
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec, shifted_ids
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts.bitpack import pack_bits, packed_size
@@ -56,7 +57,7 @@ from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.rtn import RTN
 from moecompress.methods.gptq import gptq_quantize, output_error
 from moecompress.methods.scalar_quant import dequantize, quantize
-from moecompress.passes.rtn import PROJ, RtnConfig, _emits, _largest_divisor, group_size, summarize_rtn
+from moecompress.passes.rtn import PROJ, RtnConfig, _emits, _largest_divisor, group_size, merge_rtn, summarize_rtn
 
 HESSIAN = {"gate": "expert_in_cov", "up": "expert_in_cov", "down": "down_in_cov"}
 
@@ -171,6 +172,19 @@ def gptq(layer: MoELayer, stats: LayerStats, cfg: GptqConfig) -> tuple[MoELayer,
     return layer.replace(experts=dataclasses.replace(bank, **new)), info
 
 
+def merge_gptq(infos: list[dict], bnds: list[tuple[int, int]], cfg: GptqConfig) -> dict:
+    """``gptq``'s layer info from its chunks' (``rtn``'s merge; the output errors weighted by the chunks'
+    quantised experts, the fallback experts in the layer's numbering)."""
+    out = merge_rtn(infos, bnds, cfg)
+    n = out["quantised_experts"]
+    for key in ("output_error", "output_error_rtn"):
+        out[key] = {
+            p: sum(i[key][p] * i["quantised_experts"] for i in infos) / n if n else 0.0 for p in infos[0][key]
+        }
+    out["rtn_fallback"] = shifted_ids(infos, bnds, "rtn_fallback")
+    return out
+
+
 def summarize_gptq(infos: dict[int, dict], cfg: GptqConfig) -> dict:
     """The ``rtn`` summary plus GPTQ's output errors next to round-to-nearest's and the fallbacks."""
     out = summarize_rtn(infos, cfg)
@@ -200,4 +214,5 @@ SPEC = PassSpec(
     emits=lambda layer, cfg: _emits(layer, cfg),
     check=check_gptq,
     summarize=lambda infos, cfg: summarize_gptq(infos, cfg), alters=frozenset({"weights"}),
+    chunking=Chunking("expert", merge=merge_gptq),  # per expert: its own Hessians, the layer by chunks
 )
