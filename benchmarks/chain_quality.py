@@ -48,6 +48,7 @@ GPTQ4, GPTQ3 = {"gptq": {"bits": 4}}, {"gptq": {"bits": 3}}
 GPTQ4S = {"gptq": {"bits": 4, "symmetric": True}}  # as recipes/expert_prune_gptq.yaml and the peer's W4A16
 REAP25 = {"expert_prune": {"ratio": 0.25, "method": "reap"}}
 HEAPR25 = {"heapr": {"ratio": 0.25, "align": 16}}  # ragged widths, as recipes/heapr_gptq.yaml
+HEAPR25U = {"heapr": {"ratio": 0.25, "layout": "uniform", "align": 16}}  # one smaller width per expert
 CQ4 = {"codequant": {"bits": 4, "rotation": "learned"}}
 ARMS = {  # label: recipe steps; "-np": without protect_super_experts (as the peer, which protects nothing)
     "gptq4": [PSE, GPTQ4],
@@ -55,9 +56,10 @@ ARMS = {  # label: recipe steps; "-np": without protect_super_experts (as the pe
     "gptq3-g-1": [PSE, {"gptq": {"bits": 3, "group_size": -1}}],
     "reap25-gptq4sym": [PSE, REAP25, GPTQ4S],
     "heapr25-gptq4": [PSE, HEAPR25, GPTQ4],
-    "heapr25-uniform-gptq4": [PSE, {"heapr": {"ratio": 0.25, "layout": "uniform", "align": 16}}, GPTQ4],
+    "heapr25-uniform-gptq4": [PSE, HEAPR25U, GPTQ4],
     "codequant4": [PSE, CQ4],
-    "heapr25-codequant4": [PSE, HEAPR25, CQ4],
+    "heapr25-codequant4": [PSE, HEAPR25, CQ4],  # refused: codequant needs one width per layer
+    "heapr25-uniform-codequant4": [PSE, HEAPR25U, CQ4],  # as recipes/prune_then_quantize.yaml
     "gptq4-np": [GPTQ4],
     "gptq3-np": [GPTQ3],
     "gptq3-g-1-np": [{"gptq": {"bits": 3, "group_size": -1}}],
@@ -120,18 +122,30 @@ def run_peer(args) -> None:
         pipeline="sequential",
     )
     seconds = time.perf_counter() - t0
-    # dense copy for evaluation: the fake-quantised weights, without the quantisation parameters
-    dense = out / "dense"
-    dense.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
-          if not k.rsplit(".", 1)[-1] in QUANT_KEYS}  # fmt: skip
+    n_quant = sum(1 for k in model.state_dict() if k.endswith("weight_scale") and ".experts." in k)
+    # dense copy for evaluation: the fake-quantised weights, less the quantisation parameters, under the
+    # base checkpoint's tensor names (llm-compressor's linearised Mixtral experts are mlp.experts.j.
+    # gate_proj/up_proj/down_proj in memory; the checkpoint's block_sparse_moe.experts.j.w1/w3/w2)
+    names = set(load_file(str(Path(args.model) / "model.safetensors")))
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k.rsplit(".", 1)[-1] in QUANT_KEYS:
+            continue
+        if k not in names and any(".block_sparse_moe." in n for n in names):
+            k = k.replace(".mlp.", ".block_sparse_moe.")
+            for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                k = k.replace(f".{a}.", f".{b}.")
+        sd[k] = v.detach().contiguous().clone()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
+    if set(sd) - names:
+        raise RuntimeError(f"dense copy: tensor names not in the base checkpoint: {sorted(set(sd) - names)[:5]}")
+    dense = out / "dense"
+    dense.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(dense / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     (dense / "config.json").write_text(json.dumps(cfg, indent=1))
-    n_quant = sum(1 for k in model.state_dict() if k.endswith("weight_scale") and ".experts." in k)
     model.save_pretrained(out / "compressed", save_compressed=True)
     (out / "peer.json").write_text(json.dumps({"seconds": seconds, "quantised_expert_linears": n_quant}))
 
