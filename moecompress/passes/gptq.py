@@ -57,7 +57,15 @@ from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.rtn import RTN
 from moecompress.methods.gptq import gptq_quantize, output_error
 from moecompress.methods.scalar_quant import dequantize, quantize
-from moecompress.passes.rtn import PROJ, RtnConfig, _emits, _largest_divisor, group_size, merge_rtn, summarize_rtn
+from moecompress.passes.rtn import (
+    PROJ,
+    RtnConfig,
+    _emits,
+    _largest_divisor,
+    group_size,
+    merge_rtn,
+    summarize_rtn,
+)
 
 HESSIAN = {"gate": "expert_in_cov", "up": "expert_in_cov", "down": "down_in_cov"}
 
