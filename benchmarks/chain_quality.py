@@ -3,18 +3,20 @@ base model and held-out perplexity (``mc.evaluate`` on the last 2 % of every cor
 ``benchmarks/quality.py``) next to the bytes its output stores for the routed experts.
 
     OMP_NUM_THREADS=1 python benchmarks/chain_quality.py [--shared /work/shared] [--models ref-qwen3moe
-        ref-mixtral] [--arms ...] [--samples 32] [--holdout 4] [--seq-len 256] [--sample-tokens 2048]
+        ref-mixtral] [--arms ...] [--samples 64] [--holdout 8] [--seq-len 256] [--sample-tokens 2048]
         [--eval-tokens 16384] [--peer-python /tmp/peer/bin/python] [--timeout 900] [--work DIR] [--json PATH]
 
-Arms (``ARMS``; moecompress ones are recipes, every one starting with ``protect_super_experts`` as the
-shipped recipes do): ``gptq`` 4-bit and 3-bit alone (group size ``auto``; 3-bit also with one group per
-output channel, ``g-1``) to bracket the bytes of the pruned + 4-bit outputs; ``expert_prune`` REAP 25 % →
-``gptq`` 4-bit symmetric (recipes/expert_prune_gptq.yaml); ``heapr`` 25 % → ``gptq`` 4-bit (recipes/heapr_gptq.yaml);
-``codequant`` 4-bit alone and ``heapr`` 25 % → ``codequant`` 4-bit; and ``peer``: llm-compressor's
-``REAPPruningModifier(sparsity=0.25)`` then ``GPTQModifier`` W4A16 (symmetric int4; group ``--peer-group-size``, 64 by default: the stock
-preset's 128 does not divide the reference models' 64- and 192-input projections and llm-compressor refuses
-it) in one ``oneshot``, run in its
-own venv (``--peer-python``, a subprocess of this file in ``--peer`` mode, as ``benchmarks/reap_parity.py``
+Arms (``ARMS``; the moecompress ones start with ``protect_super_experts`` as the shipped recipes do, and
+again without it, ``-np``, as the peer protects nothing): ``gptq`` 4-, 3- and 2-bit alone (group size
+``auto``; 3-bit also with one group per output channel, ``g-1``, the fewest bytes 3 bits can take) to
+bracket the bytes of the pruned + 4-bit outputs; ``expert_prune`` REAP 25 % → ``gptq`` 4-bit symmetric
+(recipes/expert_prune_gptq.yaml); ``heapr`` 25 % → ``gptq`` 4-bit (recipes/heapr_gptq.yaml; ragged widths,
+which gptq quantises at full width) and its ``layout: uniform`` form; ``codequant`` 4-bit alone and
+``heapr`` 25 % → ``codequant`` 4-bit (ragged: refused; uniform: recipes/prune_then_quantize.yaml); and
+``peer``: llm-compressor's ``REAPPruningModifier(sparsity=0.25)`` then ``GPTQModifier`` W4A16 (symmetric
+int4, group ``--peer-group-size``, 64 by default: the stock preset's 128 does not divide the reference
+models' 64- and 192-input projections and llm-compressor refuses it) in one ``oneshot``, run in its own
+venv (``--peer-python``, a subprocess of this file in ``--peer`` mode, as ``benchmarks/reap_parity.py``
 and ``benchmarks/peer_speed.py`` do; llm-compressor is never a dependency).
 
 Calibration: the corpus files' training split (``file:`` source), ``--samples + --holdout`` windows of
@@ -54,6 +56,7 @@ ARMS = {  # label: recipe steps; "-np": without protect_super_experts (as the pe
     "gptq4": [PSE, GPTQ4],
     "gptq3": [PSE, GPTQ3],
     "gptq3-g-1": [PSE, {"gptq": {"bits": 3, "group_size": -1}}],
+    "gptq2": [PSE, {"gptq": {"bits": 2}}],
     "reap25-gptq4sym": [PSE, REAP25, GPTQ4S],
     "heapr25-gptq4": [PSE, HEAPR25, GPTQ4],
     "heapr25-uniform-gptq4": [PSE, HEAPR25U, GPTQ4],
@@ -63,6 +66,7 @@ ARMS = {  # label: recipe steps; "-np": without protect_super_experts (as the pe
     "gptq4-np": [GPTQ4],
     "gptq3-np": [GPTQ3],
     "gptq3-g-1-np": [{"gptq": {"bits": 3, "group_size": -1}}],
+    "gptq2-np": [{"gptq": {"bits": 2}}],
     "reap25-gptq4sym-np": [REAP25, GPTQ4S],
     "gptq4sym-np": [GPTQ4S],
     "peer-reap25-gptq-w4a16": None,  # llm-compressor, its own venv
@@ -104,16 +108,27 @@ def run_peer(args) -> None:
         GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
         if args.peer_group_size == 128  # the stock preset (symmetric int4, group 128)
         else GPTQModifier(
-            config_groups={"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                "group_size": args.peer_group_size}}},
+            config_groups={
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": args.peer_group_size,
+                    },
+                }
+            },
             ignore=ignore,
-        ),  # fmt: skip
+        ),
     ]
     t0 = time.perf_counter()
     oneshot(
         model=model,
-        dataset=Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}),
+        dataset=Dataset.from_dict(
+            {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}
+        ),
         recipe=recipe,
         num_calibration_samples=len(ids),
         max_seq_length=ids.shape[1],
@@ -139,7 +154,9 @@ def run_peer(args) -> None:
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     if set(sd) - names:
-        raise RuntimeError(f"dense copy: tensor names not in the base checkpoint: {sorted(set(sd) - names)[:5]}")
+        raise RuntimeError(
+            f"dense copy: tensor names not in the base checkpoint: {sorted(set(sd) - names)[:5]}"
+        )
     dense = out / "dense"
     dense.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(dense / "model.safetensors"), metadata={"format": "pt"})
@@ -158,7 +175,9 @@ def run_ours(model: Path, out: Path, cal: dict, steps: list, ev: dict, base) -> 
     mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps}, progress=False,
              overwrite=True)  # fmt: skip
     wall = time.perf_counter() - t0
-    reports = {p.parent.name: json.loads(p.read_text()) for p in sorted((out / "steps").glob("*/report.json"))}
+    reports = {
+        p.parent.name: json.loads(p.read_text()) for p in sorted((out / "steps").glob("*/report.json"))
+    }
     last = reports[sorted(reports)[-1]].get("summary") or {}
     t1 = time.perf_counter()
     e = mc.evaluate(out, against=base, **ev)
@@ -202,8 +221,8 @@ def main() -> None:
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--samples", type=int, default=32, help="calibration sequences whose statistics count")
-    ap.add_argument("--holdout", type=int, default=4, help="moecompress's held-back extra sequences")
+    ap.add_argument("--samples", type=int, default=64, help="calibration sequences whose statistics count")
+    ap.add_argument("--holdout", type=int, default=8, help="moecompress's held-back extra sequences")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--sample-tokens", type=int, default=2048, help="calibration.sample_tokens (codequant)")
     ap.add_argument("--eval-tokens", type=int, default=16384)
