@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ import torch
 
 GiB = 1024**3
 CAL = {"source": "random", "samples": 128, "seq_len": 512}
-STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {}}
+STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {},
+         "gptq": {"bits": 4, "group_size": 128}}
 
 
 def _meta_shapes(model_type: str, **cfg) -> tuple[object, dict[str, tuple[int, ...]]]:
@@ -139,6 +141,38 @@ def deepseek_checkpoint(
     print(json.dumps({"checkpoint": path.name, "apparent_gib": round(total / GiB, 2), "shards": len(shards),
                       "disk_used_gib": round(used / GiB, 3)}))  # fmt: skip
     return path
+
+
+def fill_checkpoint(path: Path, seed: int = 0, chunk: int = 1 << 26) -> None:
+    """Write values into the sparse checkpoint's holes (``--fill``): FP8 codes of N(0, 1) with block scales
+    ``scale_inv`` 0.01 (expert weights of std ~0.01, as 1/sqrt(hidden)), norms 1, the router N(0, 1/H),
+    every other bf16 tensor N(0, 0.02²), the score bias 0, so calibration sees real activations and
+    GPTQ real Hessians (a hole reads as zeros: every expert would fall back to round-to-nearest)."""
+    g = torch.Generator().manual_seed(seed)
+    for shard in sorted(path.glob("*.safetensors")):
+        with open(shard, "r+b") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            base = 8 + n
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                a, b = meta["data_offsets"]
+                f.seek(base + a)
+                count = math.prod(meta["shape"])
+                for k in range(0, count, chunk):
+                    m = min(chunk, count - k)
+                    if meta["dtype"] == "F8_E4M3":
+                        t = torch.randn(m, generator=g).to(torch.float8_e4m3fn).view(torch.uint8)
+                    elif meta["dtype"] == "F32":
+                        t = torch.full((m,), 0.0 if "bias" in name else 0.01, dtype=torch.float32)
+                    elif name.endswith("norm.weight"):
+                        t = torch.ones(m, dtype=torch.bfloat16)
+                    else:
+                        std = meta["shape"][-1] ** -0.5 if ".mlp.gate." in name else 0.02
+                        t = (torch.randn(m, generator=g) * std).to(torch.bfloat16)
+                    f.write(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes())
+                assert f.tell() == base + b, name
 
 
 def deepseek(root: Path) -> None:
@@ -267,12 +301,21 @@ def run_estimate(dry: dict) -> int:
 
 
 def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limit: str | None, samples: int,
-                 seq_len: int, source: str, experts: int = 256, vocab: int | None = None) -> None:  # fmt: skip
-    """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros) in a fresh process:
-    peak RSS, wall time, bytes read and written; ``source: none`` needs no calibration."""
+                 seq_len: int, source: str, experts: int = 256, vocab: int | None = None,
+                 fill: bool = False) -> None:  # fmt: skip
+    """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros; ``fill``: random
+    values written in, :func:`fill_checkpoint`) in a fresh process: peak RSS, wall time, bytes read and
+    written; ``source: none`` needs no calibration."""
     path = root / f"deepseek-v3-fp8-{moe_layers}l-{experts}e"
+    if fill and not (path / "filled").exists():
+        shutil.rmtree(path, ignore_errors=True)
     if not path.exists():
         deepseek_checkpoint(root, moe_layers, experts, vocab)
+        if fill:
+            t = time.perf_counter()
+            fill_checkpoint(path)
+            (path / "filled").write_text("random values written by fill_checkpoint\n")
+            print(json.dumps({"filled": path.name, "fill_s": round(time.perf_counter() - t, 1)}))
     for name in steps:
         out = root / f"out-{name}-{moe_layers}l-{chunk}"
         cal = {"source": "none"} if source == "none" else {**CAL, "samples": samples, "seq_len": seq_len}
@@ -281,7 +324,7 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
         rec = {"model": str(path), "output": str(out), "steps": [{name: STEPS[name]}], "expert_chunk": chunk,
                "max_shard_size": "2GB", "calibration": {**cal, "cache_dir": str(root / f"cache-{name}")}}  # fmt: skip
         res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec)], capture_output=True, text=True)
-        line = {"model": f"deepseek-v3 fp8, {moe_layers} MoE layer(s) of {experts} experts", "step": name,
+        line = {"model": f"deepseek-v3 fp8{' (filled)' if fill else ''}, {moe_layers} MoE layer(s) of {experts} experts", "step": name,
                 "expert_chunk": chunk,
                 "memory_limit": limit, "calibration": source if source == "none" else f"{samples} x {seq_len}"}  # fmt: skip
         if res.returncode:
@@ -313,13 +356,14 @@ def main() -> None:
     ap.add_argument("--source", default="random", help="calibration source (none: data-free)")
     ap.add_argument("--experts", type=int, default=256, help="deepseek: routed experts per layer (real: 256)")
     ap.add_argument("--vocab", type=int, default=None, help="deepseek: vocabulary (real: 129280)")
+    ap.add_argument("--fill", action="store_true", help="deepseek --run: write random values into the holes")
     args = ap.parse_args()
     args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.what == "deepseek" and args.run:
         deepseek_run(root, args.steps, args.moe_layers, args.expert_chunk, args.memory_limit, args.samples,
-                     args.seq_len, args.source, args.experts, args.vocab)  # fmt: skip
+                     args.seq_len, args.source, args.experts, args.vocab, args.fill)  # fmt: skip
     elif args.what == "deepseek":
         deepseek(root)
     else:

@@ -72,6 +72,25 @@ def test_kmeans_is_lossless_with_as_many_centroids_as_values_and_nearest_is_exac
     assert torch.equal(kmeans_1d(x, 4, seed=3)[0], kmeans_1d(x, 4, seed=3)[0])  # seeded: reproducible
 
 
+def test_kmeans_ends_at_a_lloyd_fixed_point_with_ascending_centroids():
+    """Whatever the iteration does (sorts skipped when the means of sorted runs are sorted already, empty
+    clusters), the result is a Lloyd fixed point: every value coded to its nearest centroid, every centroid
+    with members the mean of its members, centroids ascending; rows with fewer distinct values than k
+    (empty clusters) included."""
+    g = torch.Generator().manual_seed(5)
+    few = torch.randn(6, 3, generator=g).gather(1, torch.randint(0, 3, (6, 96), generator=g))  # 3 values, k 8
+    for w in (torch.randn(40, 96, generator=g), few, torch.randn(40, 96, generator=g) ** 3):
+        c, a = kmeans_1d(w, 8)
+        assert bool((c[:, 1:] >= c[:, :-1]).all())
+        assert torch.equal(c.gather(1, a.long()), c.gather(1, nearest(w, c)))
+        sums = torch.zeros(c.shape, dtype=torch.float64).scatter_add_(1, a.long(), w.double())
+        counts = torch.zeros(c.shape, dtype=torch.float64).scatter_add_(1, a.long(), torch.ones_like(w.double()))
+        held = counts > 0
+        mean = (sums / counts.clamp_min(1)).float()
+        tol = 4 * torch.finfo(torch.float32).eps * float(w.abs().max())
+        assert float((mean - c)[held].abs().max()) <= tol
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_codequant_is_lossless_when_rows_hold_at_most_2_to_the_bits_values(bits):
     """Weights on a per-row grid of 2^bits fp16-exact values: the codebooks (and the packed file) are exact."""

@@ -158,13 +158,14 @@ def _seed(v: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
 
 
 def _lloyd(
-    v: torch.Tensor, c: torch.Tensor, iters: int, tol: float, code_dtype: torch.dtype = torch.int64
+    v: torch.Tensor, c: torch.Tensor, iters: int, tol: float, code_dtype: torch.dtype = torch.int64,
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lloyd iterations of the rows of ``v`` from centroids ``c``, each row until none of its centroids
     moves by more than ``tol`` times its range; then exact means. ``(centroids, assignment, sorted
-    rows, their permutation)``. Rows
-    that converged leave the working set (compacted whenever it halves)."""
-    sv, perm = sorted_rows(v)
+    rows, their permutation)``; ``presorted``: the rows of ``v`` already sorted and their permutation.
+    Rows that converged leave the working set (compacted whenever it halves)."""
+    sv, perm = sorted_rows(v) if presorted is None else presorted
     n_rows, n = sv.shape
     cs = torch.cat([sv.new_zeros(n_rows, 1), sv.cumsum(1)], 1)
     scale = (sv[:, -1] - sv[:, 0]).clamp_min(1e-30)
@@ -180,7 +181,9 @@ def _lloyd(
         counts = hi - lo
         new = torch.where(counts > 0, (w_cs.gather(1, hi) - w_cs.gather(1, lo)) / counts.clamp_min(1), w_c)
         moved = (new - w_c).abs().amax(1) / w_scale > tol
-        w_c = torch.where(active[:, None], new, w_c).sort(dim=1).values
+        w_c = torch.where(active[:, None], new, w_c)
+        if not bool((counts > 0).all()):  # means of consecutive runs of sorted values are sorted already;
+            w_c = w_c.sort(dim=1).values  # an empty cluster keeps its old centroid, which may break the order
         active &= moved
         left = int(active.sum())
         if left == 0:
@@ -222,8 +225,12 @@ def kmeans_1d(
         sv_all = torch.empty_like(values)
         perm_all = torch.empty(n_rows, n, dtype=idx, device=dev)
     for a in range(0, n_rows, step):
-        v = values[a : a + step].double()
-        c, codes[a : a + step], sv, perm = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol, code_dtype)
+        # sorted in the values' own dtype (half of float64's bytes), then widened: the widening is exact and
+        # monotone, so these are the float64 rows sorted (tied values may swap places: the same codes)
+        sv, perm = sorted_rows(values[a : a + step])
+        v, sv = values[a : a + step].double(), sv.double()
+        c, codes[a : a + step], sv, perm = _lloyd(v, _seed(v, k, u[:, a : a + step]), iters, tol, code_dtype,
+                                                  presorted=(sv, perm))  # fmt: skip
         cents[a : a + step] = c.to(values.dtype)
         if keep_sorted:  # float64 of float32 values: the cast back is exact
             sv_all[a : a + step], perm_all[a : a + step] = sv, perm.to(idx)
