@@ -204,3 +204,35 @@ def test_kept_inputs_are_counted_in_the_dry_run(tmp_path, model):
     assert plan["moe_inputs_cache_bytes"] == 3 * kept
     assert plan["calibration_memory_bytes"] - base["calibration_memory_bytes"] >= 2 * kept
     assert plan["step_memory"]["step 2 (gptq)"]["stats_bytes"] >= kept
+
+
+def test_a_cut_before_a_report_only_step_keeps_the_earlier_checkpoint(tmp_path, model):
+    """``rtn → choose_groups``: the second segment writes reports only; the output is rtn's checkpoint with
+    both steps' reports."""
+    res = mc.apply(_recipe(model, tmp_path / "out", [{"rtn": {}}, {"choose_groups": {"ratio": 0.25}}]),
+                   progress=False)  # fmt: skip
+    assert res.report["segments"] == [["step 1 (rtn)"], ["step 2 (choose_groups)"]]
+    assert sorted(p.name for p in (tmp_path / "out" / "steps").iterdir()) == ["01-rtn", "02-choose_groups"]
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(mc.load(tmp_path / "out")(ids).logits).all()
+
+
+@pytest.mark.parametrize("first", ["namex", "merge_experts"])
+def test_choose_groups_after_a_merge_is_refused_in_the_dry_run(tmp_path, model, first):
+    rec = _recipe(model, tmp_path / "out", [{first: {"ratio": 0.25}}, {"choose_groups": {"ratio": 0.25}}])
+    with pytest.raises(mc.MoecompressError, match=r"step 2 \(choose_groups\), layer \d+: .*before merging"):
+        mc.apply(rec, dry_run=True, progress=False)
+
+
+def test_a_uniform_width_transformers_cannot_load_is_refused_with_the_align(tmp_path, model):
+    """Uniform pruning twice (32 → 24 → 18 neurons of float32: rows of 72 bytes) would write a stock
+    checkpoint whose experts transformers' grouped matmul refuses; the dry run names the align."""
+    step = {"heapr": {"ratio": 0.25, "layout": "uniform"}}
+    with pytest.raises(mc.MoecompressError, match=r"step 2 \(heapr\), layer \d+: .* 18 wide.*set align: 4"):
+        mc.apply(_recipe(model, tmp_path / "out", [step, step]), dry_run=True, progress=False)
+    aligned = {"heapr": {"ratio": 0.25, "layout": "uniform", "align": 4}}
+    mc.apply(_recipe(model, tmp_path / "ok", [step, aligned]), progress=False)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(mc.load(tmp_path / "ok")(ids).logits).all()

@@ -225,12 +225,16 @@ def _assemble(rec: Recipe, ckpt: Checkpoint, dry: dict, done: list, seconds: flo
     """The last segment's checkpoint becomes the output, with every step's report and one run report."""
     staging, out = staging_dir(rec.output), Path(rec.output)
     shutil.rmtree(staging, ignore_errors=True)
-    last = done[-1][1]
-    shutil.move(str(last), str(staging))
-    for steps, seg, _ in done[:-1]:
+    # the last segment that wrote a checkpoint (a segment of report-only steps writes reports only)
+    base = next((k for k in range(len(done) - 1, -1, -1) if (done[k][1] / "config.json").is_file()), len(done) - 1)
+    shutil.move(str(done[base][1]), str(staging))
+    (staging / "steps").mkdir(exist_ok=True)
+    for k, (steps, seg, _) in enumerate(done):
+        if k == base:
+            continue
         for d in sorted((seg / "steps").glob("*")) if (seg / "steps").is_dir() else []:
             shutil.move(str(d), str(staging / "steps" / d.name))
-        if rec.emit == "every_step":
+        if rec.emit == "every_step" and k < base:
             dst = staging / "steps" / steps[-1].dirname / "checkpoint"
             dst.mkdir(parents=True, exist_ok=True)
             for f in seg.iterdir():

@@ -86,6 +86,15 @@ def _needs(cfg: ChooseGroupsConfig) -> set[str]:
     )
 
 
+def check_distinct(layer: MoELayer, cfg: ChooseGroupsConfig) -> None:
+    """Dry-run check: the layer's experts are distinct (no expert map: nothing merged or remapped yet)."""
+    if layer.expert_map is not None:
+        raise PassError(
+            "choose_groups plans merges of distinct experts, but this layer already maps several experts to "
+            "one (namex or merge_experts ran before); run choose_groups on the checkpoint before merging"
+        )
+
+
 def choose_groups(layer: MoELayer, stats: LayerStats, cfg: ChooseGroupsConfig) -> tuple[MoELayer, dict]:
     """Report each layer's merge-loss curve and BIC cluster count; the summary spends a budget over layers."""
     x = stats["io_sample_x"].float()
@@ -158,7 +167,7 @@ def _summarize(infos: dict[int, dict], cfg: ChooseGroupsConfig) -> dict:
 
 SPEC = PassSpec(
     "choose_groups", ChooseGroupsConfig, choose_groups, needs={"io_sample", "expert_counts", "out_grad_cov"},
-    needs_fn=_needs,
+    needs_fn=_needs, check=check_distinct,
     report_only=True,
     summarize=lambda i, c: _summarize(i, c),
 )  # fmt: skip

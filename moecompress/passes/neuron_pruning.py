@@ -31,6 +31,7 @@ with protected experts becomes ragged (protected experts keep full width).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -61,6 +62,10 @@ class NeuronPruneOptions(PassConfig):
     )
 
 
+GROUPED_MM_BYTES = 16
+"""Row strides transformers' grouped expert matmul (``torch._grouped_mm``) accepts: multiples of this."""
+
+
 def check_prunable(layer: MoELayer, cfg: NeuronPruneOptions) -> None:
     """Dry-run checks on shapes (``meta`` tensors allowed)."""
     bank = layer.experts
@@ -74,6 +79,15 @@ def check_prunable(layer: MoELayer, cfg: NeuronPruneOptions) -> None:
         raise PassError(f"neuron pruning needs dense experts, got layout {bank.gate.kind!r}; prune before it")
     if cfg.min_width > bank.width:
         raise PassError(f"min_width={cfg.min_width} exceeds the expert width {bank.width}; lower it")
+    if cfg.layout == "uniform" and not protected_physical(layer):  # a stock checkpoint of a smaller width
+        w, size = uniform_width(bank.width, cfg), bank.gate.dtype.itemsize
+        if w < bank.width and (w * size) % GROUPED_MM_BYTES:
+            step = GROUPED_MM_BYTES // math.gcd(GROUPED_MM_BYTES, size)
+            raise PassError(
+                f"layout: uniform leaves the experts {w} wide, rows of {w * size} bytes, which transformers' "
+                f"grouped expert matmul cannot load (it needs multiples of {GROUPED_MM_BYTES} bytes); set "
+                f"align: {math.lcm(step, cfg.align)}"
+            )
 
 
 def pruned_shape(layer: MoELayer, cfg: NeuronPruneOptions) -> MoELayer:
