@@ -130,11 +130,14 @@ def test_chain_protect_heapr_uniform_tdmoe_runs_and_loads(tmp_path):
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(mc.load(tmp_path / "o")(ids).logits).all()
-    bad = {**rec, "output": str(tmp_path / "bad"), "steps": [*steps[:2], {"tdmoe": {"whitening": "output"}}]}
+    out_white = [*steps[:2], {"tdmoe": {"whitening": "output"}}]
+    bad = {**rec, "output": str(tmp_path / "bad"), "steps": out_white, "calibration": {**CAL, "recalibrate": "off"}}
     with pytest.raises(RecipeError, match=r"'down_in_grad_cov_pooled', which step 2 \(heapr\) changes and "
                        r"which needs a backward pass"):  # refused in the dry run (issue 34), not after calibration
         mc.apply(bad, dry_run=True, progress=False)
     assert not (tmp_path / "bad").exists()
+    cut = mc.apply({**rec, "output": str(tmp_path / "cut"), "steps": out_white}, dry_run=True, progress=False)
+    assert cut.report["dry_run"]["segments"][-1] == ["step 3 (tdmoe)"]  # recalibrate: auto, calibrated again
 
 
 def test_dry_run_errors(tmp_path):
