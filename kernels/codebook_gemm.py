@@ -38,6 +38,8 @@ import torch
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels._launch import check_config, interpreting, next_pow2, smem_bytes, tl_dtype
 from moecompress.kernels._routed import ExactExperts, Members, input_of, same_members
+from moecompress.kernels.codebook_gemv import GemvConfig, GemvPrepared, decode_config, decode_forward
+from moecompress.kernels.codebook_gemv import prepare as prepare_gemv
 from moecompress.layouts.bitpack import packed_size, unpack_bits
 from moecompress.layouts.codebook import Codebook
 from moecompress.layouts.rtn import RTN
@@ -352,7 +354,17 @@ class CodebookPrepared:
     exact: ExactExperts | None
     max_width: int  # the longest down reduction (split-K planning without a device sync)
     dtype: torch.dtype
-    config: Config | None = None
+    config: Config | GemvConfig | None = None  # forces the GEMM (Config) or the decode kernel (GemvConfig)
+    gemv: GemvPrepared | None = None  # the decode layout (codebook_gemv), None when its tiles do not fit
+
+    def decode_config(self, numel: int) -> GemvConfig | None:
+        """The decode kernel's config for ``numel`` routed slots, or ``None`` for the K3 GEMM: the
+        forced config, else the tokens-per-expert bucket (:data:`codebook_gemv.DECODE_CONFIGS`)."""
+        if self.gemv is None or isinstance(self.config, Config):
+            return None
+        if isinstance(self.config, GemvConfig):
+            return self.config
+        return decode_config(numel, self.members.count)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_k w[t, k] · expert_{ids[t, k]}(x_t)``, fp32 ``[T, H]`` (``reference.experts_forward``)."""
@@ -368,8 +380,15 @@ class CodebookPrepared:
         m, cmap = self.members.count, self.members.cmap
         if m:
             numel = t * k
+            dec = self.decode_config(numel)
+            if dec is not None:  # few tokens per expert: the bandwidth-shaped GEMV (codebook_gemv)
+                y = decode_forward(self, self.gemv, dec, xin.to(self.dtype).contiguous(), ids, weights)
+                out += moe_combine(y, k, ids=ids, num_experts=m, expert_map=cmap)
+                if self.exact is not None:
+                    out += self.exact.forward(x, xin, ids, weights)
+                return out
             inter = int(self.gate.rows)
-            cfg = self.config or pick_config(numel, m, inter, h_dim)
+            cfg = self.config if isinstance(self.config, Config) else pick_config(numel, m, inter, h_dim)
             sorted_ids, eids, total = moe_align(ids, m, cfg.bm, cmap)  # exact experts' slots dropped
             xa = xin.to(self.dtype).contiguous()
             h = torch.empty(numel, inter, dtype=self.dtype, device=x.device)
@@ -423,7 +442,9 @@ class CodebookPrepared:
         )  # fmt: skip
 
 
-def prepare(bank: ExpertBank, expert_map: torch.Tensor | None, config: Config | None = None) -> CodebookPrepared | None:
+def prepare(
+    bank: ExpertBank, expert_map: torch.Tensor | None, config: Config | GemvConfig | None = None
+) -> CodebookPrepared | None:
     """Prepare a bank whose gate/up/down are ``codebook`` or ``rtn`` (gate and up in the same format)
     for K3, once at load time; ``None`` when K3 cannot serve it (other layouts, gate/up formats that
     differ, experts exact in one projection only, a rotated-input exemption on a compressed expert)."""
@@ -451,4 +472,5 @@ def prepare(bank: ExpertBank, expert_map: torch.Tensor | None, config: Config | 
         g, u, d, mem, widths, biases, bank.act, bank.alpha, bank.limit,
         None if bank.rotation is None else bank.rotation.to(device), bank.act_bits, exact,
         int(widths.max()) if widths.numel() else 0, dtype, config,
+        None if isinstance(config, Config) else prepare_gemv(g, u, d),
     )  # fmt: skip

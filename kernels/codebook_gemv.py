@@ -1,0 +1,448 @@
+"""K3 decode: a GEMV-shaped kernel for ``codebook``/``rtn`` experts when each expert sees few tokens.
+
+At decode (tokens per expert ``m_e = T·k / M`` of a handful) the K3 GEMM of :mod:`codebook_gemm` pads
+every expert's few rows to a 16-row ``tl.dot`` and gathers each weight's centroid from global memory:
+it is bound by that per-weight traffic, not by the bytes of the codes (issue 39: 7–50x slower than the
+bf16 layer it replaces). This kernel is shaped for the bandwidth floor instead (KERNELS.md §1, §3–§4,
+gemlite's split-K GEMV):
+
+- **wide words**: the codes are read as ``int32`` words (``BK / (32 / bits)`` words per row and tile,
+  16-byte aligned rows) and unpacked in registers with shifts and masks (``[BN, words, codes/word]``
+  reshaped to ``[BN, BK]``);
+- **tables once per tile**: a row's centroids ``[BN, groups in the tile, 2^bits]`` (codebook) or its
+  group scales/zero points ``[BN, groups in the tile]`` (rtn) are loaded once per tile, or once per
+  program when a row has one group; centroids are then picked in registers (``tl.gather`` on the
+  loaded table), never by a per-weight load from global memory;
+- **split-K** over the input dimension (gate/up over ``H``, down over the expert's live width) so a
+  few hit experts still fill the GPU; fp32 partials, summed deterministically (no atomics);
+- **fp32** accumulation; rows of the ``BM`` slots of one expert block (``moe_align`` with a small block,
+  ``BM`` ≤ 8) reuse each decoded tile (``tl.sum`` products, no ``tl.dot`` and so no 16-row padding).
+
+Two launches: ``gate_up`` writes the fp32 gate and up partials ``[S1, 2, T·k, I]`` (biases by split 0);
+``down`` sums the S1 partials, applies the activation (SwiGLU or GPT-OSS's clamped form) while loading
+its input tile, multiplies by the decoded down tile, adds the down bias (split 0) and the routed weight,
+and writes ``[S2, T·k, H]`` fp32 for K5 (``moe_combine``) to sum over splits and slots.
+
+**Prepared layout** (:func:`prepare_proj`, once at load, on the bank's device): 2/4/8-bit rows are
+K3's repacked byte rows (16-byte padded) *viewed* as ``int32`` words — bitpack streams are LSB-first,
+so code ``j`` of a row is bits ``(j % c)·b`` of word ``j // c`` (``c = 32 / b``): no copy. 3-bit codes
+(10⅔ per word) are split into two bit planes, the low 2 bits (16 per word) and the high bit (32 per
+word): 3 bits per weight as stored, equal in content (:func:`unpack_words` round-trips to the stored
+codes; ``tests/test_kernels_gemv.py``).
+
+Served around the kernels exactly as the K3 GEMM path: the input rotation / activation quantisation
+(:func:`._routed.input_of`), protected exact experts (:class:`._routed.ExactExperts`), expert maps and
+dropped slots (:class:`._routed.Members` through K1 and K5) — :class:`codebook_gemm.CodebookPrepared`
+calls :func:`decode_forward` for the decode buckets of :data:`DECODE_CONFIGS`.
+
+Configurations are [est]: not yet tuned on a GPU (issue 39; ``benchmarks/gpu_moe.py --only quantised``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecompress.kernels._launch import check_config, next_pow2
+from moecompress.layouts.bitpack import packed_size, unpack_bits
+
+CODEBOOK, RTN_FMT = 0, 1  # the same numbering as codebook_gemm (QuantProj.fmt)
+SMS = 132  # H200 streaming multiprocessors: split-K aims at >= 2 waves of programs
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One decode bucket: ``bm`` slots of one expert per program (a power of two, ≤ 8; K1's block),
+    ``bn`` output rows and ``bk`` inputs per tile (gate/up and down), ``split_gu``/``split_down``
+    K-splits (0: chosen at launch to fill ~2 waves of :data:`SMS`), ``warps``/``stages``."""
+
+    bm: int = 1
+    bn: int = 32
+    bk: int = 256
+    bn_down: int = 32
+    bk_down: int = 256
+    split_gu: int = 0
+    split_down: int = 0
+    warps: int = 4
+    stages: int = 2
+
+
+DECODE_MAX_ME = 8.0
+"""The decode kernel serves tokens per expert ``m_e = T·k / M`` up to this; above it the K3 GEMM."""
+
+DECODE_CONFIGS: tuple[tuple[float, GemvConfig], ...] = (
+    (1.0, GemvConfig(bm=1, bn=32, bk=256, bn_down=32, bk_down=256)),
+    (2.0, GemvConfig(bm=2, bn=32, bk=256, bn_down=32, bk_down=256)),
+    (4.0, GemvConfig(bm=4, bn=32, bk=128, bn_down=32, bk_down=128)),
+    (DECODE_MAX_ME, GemvConfig(bm=8, bn=32, bk=128, bn_down=64, bk_down=128, warps=8)),
+)
+"""``(m_e upper bound, config)`` per tokens-per-expert bucket, first match wins [est: chosen for an H200
+from the byte counts of KERNELS.md §1 — 32 B of 4-bit codes per thread per load at BK 256 / 4 warps —
+and not tuned; a GPU session tunes them with ``benchmarks/gpu_moe.py --only quantised``]."""
+
+
+def decode_config(numel: int, members: int) -> GemvConfig | None:
+    """The decode bucket of ``numel`` routed slots over ``members`` compressed experts, or ``None``
+    (many tokens per expert: the K3 GEMM)."""
+    me = numel / max(members, 1)
+    return next((cfg for hi, cfg in DECODE_CONFIGS if me <= hi), None)
+
+
+# ---------------------------------------------------------------- the prepared layout
+def codes_per_word(bits: int) -> int:
+    return 32 // bits
+
+
+def _to_int32(v: torch.Tensor) -> torch.Tensor:
+    """``int64`` values in ``[0, 2^32)`` as the ``int32`` with the same bits."""
+    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
+
+
+def pack_words(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``[..., n]`` (ints in ``[0, 2^bits)``, ``bits`` ∈ {1, 2, 4, 8}) as ``int32`` words
+    ``[..., w]``, code ``j`` at bits ``(j % c)·bits`` of word ``j // c`` (``c = 32 / bits``); ``w`` a
+    multiple of 4 (16-byte rows), zero-padded."""
+    c = 32 // bits
+    *lead, n = q.shape
+    w = -(-max(n, 1) // (4 * c)) * 4
+    v = torch.zeros(*lead, w * c, dtype=torch.int64, device=q.device)
+    v[..., :n] = q.to(torch.int64)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=q.device)
+    return _to_int32((v.view(*lead, w, c) << shifts).sum(-1))
+
+
+def unpack_words(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_words`: ``uint8`` codes ``[..., n]``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=words.device)
+    q = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)
+    return q.reshape(*words.shape[:-1], -1)[..., :n].to(torch.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class GemvProj:
+    """One projection prepared for the decode kernel: ``words`` ``int32 [M, rows, w]`` (2/4/8 bits: the
+    K3 byte rows viewed as words; 3 bits: the low 2-bit plane), ``high`` ``int32 [M, rows, w']`` (3 bits:
+    the high bit plane; otherwise ``words`` again, unread), and K3's ``table``/``zeros`` (not copied)."""
+
+    fmt: int
+    words: torch.Tensor
+    high: torch.Tensor
+    table: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    rows: int
+    cols: int
+    groups: int
+
+    @property
+    def group_size(self) -> int:
+        return self.cols // self.groups
+
+    def codes(self) -> torch.Tensor:
+        """The codes ``uint8 [M, rows, cols]`` decoded from the prepared words (the round-trip check)."""
+        if self.bits == 3:
+            return unpack_words(self.words, 2, self.cols) | (unpack_words(self.high, 1, self.cols) << 2)
+        return unpack_words(self.words, self.bits, self.cols)
+
+
+def prepare_proj(p, chunk: int = 8) -> GemvProj:
+    """The decode layout of a K3 ``QuantProj`` ``p`` (same device; 3-bit planes built ``chunk`` experts
+    at a time to bound the temporaries)."""
+    if p.bits != 3:
+        words = p.codes.view(torch.int32)  # rows are 16-byte padded: a free reinterpretation
+        return GemvProj(p.fmt, words, words, p.table, p.zeros, p.bits, p.rows, p.cols, int(p.table.shape[2]))
+    nb = packed_size(p.cols, 3)
+    lo, hi = [], []
+    for a in range(0, p.codes.shape[0], chunk):
+        q = unpack_bits(p.codes[a : a + chunk, :, :nb].contiguous(), 3, p.cols)
+        lo.append(pack_words(q & 3, 2))
+        hi.append(pack_words(q >> 2, 1))
+    m = p.codes.shape[0]
+    if m == 0:
+        dev = p.codes.device
+        lo = [torch.zeros(0, p.rows, pack_words(torch.zeros(1, p.cols, device=dev), 2).shape[-1], dtype=torch.int32,
+                          device=dev)]  # fmt: skip
+        hi = [torch.zeros(0, p.rows, pack_words(torch.zeros(1, p.cols, device=dev), 1).shape[-1], dtype=torch.int32,
+                          device=dev)]  # fmt: skip
+    return GemvProj(p.fmt, torch.cat(lo), torch.cat(hi), p.table, p.zeros, 3, p.rows, p.cols, int(p.table.shape[2]))
+
+
+def tile_k(bk: int, p: GemvProj) -> tuple[int, int] | None:
+    """``(BK, groups per tile)`` for projection ``p`` from the config's ``bk``: a tile holds whole
+    words (``BK ≥ 32 / bits``; 32 for the 3-bit high plane) and either lies inside one group or holds
+    whole groups (so its scales/centroids are one ``[BN, GPT(, 2^bits)]`` load); ``None`` when no tile
+    fits (a group size like 24 at 2 bits): K3's GEMM serves the bank."""
+    least = 32 if p.bits == 3 else codes_per_word(p.bits)
+    bk = max(least, min(bk, next_pow2(p.cols)))
+    if p.groups > 1:
+        gs = p.group_size
+        if gs % bk and bk % gs:
+            bk = gs & -gs  # the largest power of two dividing the group
+        if bk < least:
+            return None
+        return bk, max(1, bk // gs)
+    return bk, 1
+
+
+# ---------------------------------------------------------------- kernels
+_KERNELS: dict[str, object] = {}
+
+
+def _kernels() -> dict[str, object]:
+    if _KERNELS:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _unpack(base, offs_n, n_ok, k0, n_words, sn, BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Codes ``[BN, BK]`` (int32) of inputs ``k0 .. k0+BK`` from ``BK·BITS/32`` words per row."""
+        CPW: tl.constexpr = 32 // BITS
+        widx = k0 // CPW + tl.arange(0, BK // CPW)
+        ptr = base + offs_n[:, None].to(tl.int64) * sn + widx[None, :]
+        words = tl.load(ptr, mask=n_ok[:, None] & (widx < n_words)[None, :], other=0)
+        q = (words[:, :, None] >> (tl.arange(0, CPW) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(q, [BN, BK])
+
+    @triton.jit
+    def _codes(w_ptr, h_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse,
+               BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        if BITS == 3:
+            q = _unpack(w_ptr + e * se, offs_n, n_ok, k0, n_words, sn, 2, BN, BK)
+            q = q | (_unpack(h_ptr + e * hse, offs_n, n_ok, k0, h_words, hsn, 1, BN, BK) << 2)
+        else:
+            q = _unpack(w_ptr + e * se, offs_n, n_ok, k0, n_words, sn, BITS, BN, BK)
+        return q
+
+    @triton.jit
+    def _params(tab_ptr, zero_ptr, e, offs_n, n_ok, g0, n_rows, G, FMT: tl.constexpr, BITS: tl.constexpr,
+                HAS_ZERO: tl.constexpr, GPT: tl.constexpr):  # fmt: skip
+        """Groups ``g0 .. g0+GPT`` of rows ``offs_n``, loaded once: codebook centroids ``[BN, GPT, 2^bits]``
+        (and a dummy), or rtn scales and zero points ``[BN, GPT]``."""
+        gi = g0 + tl.arange(0, GPT)
+        gidx = (e * n_rows + offs_n[:, None].to(tl.int64)) * G + gi[None, :]
+        gmask = n_ok[:, None] & (gi < G)[None, :]
+        if FMT == 0:
+            c = tl.arange(0, 1 << BITS)
+            tab = tl.load(tab_ptr + gidx[:, :, None] * (1 << BITS) + c[None, None, :], mask=gmask[:, :, None],
+                          other=0.0).to(tl.float32)  # fmt: skip
+            z = tl.zeros_like(gidx).to(tl.int32)
+        else:
+            tab = tl.load(tab_ptr + gidx, mask=gmask, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + gidx, mask=gmask, other=0).to(tl.int32)
+            else:
+                z = tl.zeros_like(gidx).to(tl.int32) + (1 << (BITS - 1))
+        return tab, z
+
+    @triton.jit
+    def _decode(q, tab, z, FMT: tl.constexpr, GPT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Weights ``[BN, BK]`` fp32 from codes and the tile's tables (registers only)."""
+        q3 = tl.reshape(q, [BN, GPT, BK // GPT])
+        if FMT == 0:
+            w = tl.gather(tab, q3, 2)
+        else:
+            w = (q3 - z[:, :, None]).to(tl.float32) * tab[:, :, None]
+        return tl.reshape(w, [BN, BK])
+
+    globals().update(_unpack=_unpack, _codes=_codes, _params=_params, _decode=_decode)  # jit callees resolve here
+
+    @triton.jit
+    def gemv_gate_up(
+        x_ptr, gu_ptr, sorted_ptr, eids_ptr, total_ptr, wid_ptr,
+        wg_ptr, hg_ptr, tg_ptr, zg_ptr, wu_ptr, hu_ptr, tu_ptr, zu_ptr, bg_ptr, bu_ptr,
+        numel, top_k, K, k_split, stride_x, n_inter, split_stride, n_words, sn, se, h_words, hsn, hse,
+        n_rows, G, gs, bias_stride,
+        FMT: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GPT: tl.constexpr, ONE_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if pid_m * BM >= tl.load(total_ptr):
+            return
+        e = tl.load(eids_ptr + pid_m).to(tl.int64)
+        wid = tl.load(wid_ptr + e)
+        if pid_n * BN >= wid:
+            return
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < wid
+        rows = tl.arange(0, BM)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        tab_g, z_g = _params(tg_ptr, zg_ptr, e, offs_n, n_ok, 0, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
+        tab_u, z_u = _params(tu_ptr, zu_ptr, e, offs_n, n_ok, 0, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
+        for k0 in range(k_lo, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < k_hi
+            if not ONE_GROUP:
+                tab_g, z_g = _params(tg_ptr, zg_ptr, e, offs_n, n_ok, k0 // gs, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
+                tab_u, z_u = _params(tu_ptr, zu_ptr, e, offs_n, n_ok, k0 // gs, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
+            qg = _codes(wg_ptr, hg_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
+            wg = _decode(qg, tab_g, z_g, FMT, GPT, BN, BK)
+            qu = _codes(wu_ptr, hu_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
+            wu = _decode(qu, tab_u, z_u, FMT, GPT, BN, BK)
+            for m in tl.static_range(BM):
+                slot = tl.load(sorted_ptr + pid_m * BM + m)
+                tok = (slot // top_k).to(tl.int64)
+                xm = tl.load(x_ptr + tok * stride_x + offs_k, mask=k_ok & (slot < numel), other=0.0).to(tl.float32)
+                pg = tl.sum(wg * xm[None, :], axis=1)
+                pu = tl.sum(wu * xm[None, :], axis=1)
+                acc_g += tl.where(rows[:, None] == m, pg[None, :], 0.0)
+                acc_u += tl.where(rows[:, None] == m, pu[None, :], 0.0)
+        if HAS_BIAS:  # added once, by split 0
+            b_ok = n_ok & (pid_k == 0)
+            acc_g += tl.load(bg_ptr + e * bias_stride + offs_n, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bu_ptr + e * bias_stride + offs_n, mask=b_ok, other=0.0).to(tl.float32)[None, :]
+        slots = tl.load(sorted_ptr + pid_m * BM + rows)
+        ok = (slots < numel)[:, None] & n_ok[None, :]
+        base = gu_ptr + pid_k * split_stride + slots[:, None].to(tl.int64) * n_inter + offs_n[None, :]
+        tl.store(base, acc_g, mask=ok)
+        tl.store(base + numel * n_inter, acc_u, mask=ok)
+
+    @triton.jit
+    def gemv_down(
+        gu_ptr, y_ptr, sorted_ptr, eids_ptr, total_ptr, wid_ptr, rw_ptr,
+        wd_ptr, hd_ptr, td_ptr, zd_ptr, bd_ptr,
+        numel, N, n_inter, k_split, split_in, stride_ys, n_words, sn, se, h_words, hsn, hse, G, gs,
+        alpha, limit,
+        FMT: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+        S_IN: tl.constexpr, GPT: tl.constexpr, ONE_GROUP: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if pid_m * BM >= tl.load(total_ptr):
+            return
+        e = tl.load(eids_ptr + pid_m).to(tl.int64)
+        wid = tl.load(wid_ptr + e)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        rows = tl.arange(0, BM)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, wid)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        tab, z = _params(td_ptr, zd_ptr, e, offs_n, n_ok, 0, N, G, FMT, BITS, HAS_ZERO, GPT)
+        for k0 in range(k_lo, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < k_hi
+            if not ONE_GROUP:
+                tab, z = _params(td_ptr, zd_ptr, e, offs_n, n_ok, k0 // gs, N, G, FMT, BITS, HAS_ZERO, GPT)
+            q = _codes(wd_ptr, hd_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
+            w = _decode(q, tab, z, FMT, GPT, BN, BK)
+            for m in tl.static_range(BM):
+                slot = tl.load(sorted_ptr + pid_m * BM + m)
+                a_ok = k_ok & (slot < numel)
+                gp = gu_ptr + slot.to(tl.int64) * n_inter + offs_k
+                g = tl.zeros([BK], dtype=tl.float32)
+                u = tl.zeros([BK], dtype=tl.float32)
+                for s in tl.static_range(S_IN):  # the gate/up split-K partials, in a fixed order
+                    g += tl.load(gp + s * split_in, mask=a_ok, other=0.0)
+                    u += tl.load(gp + s * split_in + numel * n_inter, mask=a_ok, other=0.0)
+                if ACT == 1:  # GPT-OSS: (clamp(u) + 1) · g · sigmoid(alpha · g), g = min(g, limit)
+                    g = tl.minimum(g, limit)
+                    u = tl.minimum(tl.maximum(u, -limit), limit)
+                    a = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+                else:
+                    a = g * tl.sigmoid(g) * u
+                a = tl.where(a_ok, a, 0.0)
+                part = tl.sum(w * a[None, :], axis=1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+        if HAS_BIAS:  # added once, by split 0
+            acc += tl.load(bd_ptr + e * N + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+        slots = tl.load(sorted_ptr + pid_m * BM + rows)
+        r_ok = slots < numel
+        srow = slots.to(tl.int64)
+        acc = acc * tl.load(rw_ptr + srow, mask=r_ok, other=0.0)[:, None]
+        yp = y_ptr + pid_k * stride_ys + srow[:, None] * N + offs_n[None, :]
+        tl.store(yp, acc, mask=r_ok[:, None] & n_ok[None, :])
+
+    _KERNELS.update(gate_up=gemv_gate_up, down=gemv_down)
+    return _KERNELS
+
+
+# ---------------------------------------------------------------- launch
+@dataclass(frozen=True, eq=False)
+class GemvPrepared:
+    """The three projections in the decode layout, with their tile sizes per config (checked at prepare
+    time: a bank none of whose tiles fit is not given one)."""
+
+    gate: GemvProj
+    up: GemvProj
+    down: GemvProj
+
+
+def prepare(gate, up, down) -> GemvPrepared | None:
+    """The decode layout of K3's three ``QuantProj``, or ``None`` when a group size fits no tile of some
+    decode config (the K3 GEMM then serves every batch)."""
+    g, u, d = (prepare_proj(p) for p in (gate, up, down))
+    for _, cfg in DECODE_CONFIGS:
+        if tile_k(cfg.bk, g) is None or tile_k(cfg.bk_down, d) is None:
+            return None
+    return GemvPrepared(g, u, d)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split(requested: int, programs: int, k: int, bk: int) -> int:
+    if requested:
+        return max(1, min(requested, -(-k // bk)))
+    return max(1, min(8, (2 * SMS) // max(programs, 1), -(-k // bk)))
+
+
+def decode_forward(prep, gp: GemvPrepared, cfg: GemvConfig, xa: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The compressed experts' part of the layer at decode: fp32 ``[S2, T·k, H]`` per slot (routed weight
+    and down bias applied; slots of exact experts or dropped ids unwritten) for K5. ``prep`` is the
+    :class:`codebook_gemm.CodebookPrepared` (members, widths, biases, activation), ``xa`` its transformed
+    input ``[T, H]`` in the model dtype."""
+    from moecompress.kernels.moe_align import moe_align
+
+    t, top_k = ids.shape
+    numel, m = t * top_k, prep.members.count
+    g, u, d = gp.gate, gp.up, gp.down
+    hidden, inter, dev = d.rows, g.rows, xa.device
+    bk, gpt = tile_k(cfg.bk, g)
+    bkd, gptd = tile_k(cfg.bk_down, d)
+    check_config("codebook gemv gate_up", pow2={"BM": cfg.bm, "BN": cfg.bn, "BK": bk})
+    check_config("codebook gemv down", pow2={"BN": cfg.bn_down, "BK": bkd})
+    sorted_ids, eids, total = moe_align(ids, m, cfg.bm, prep.members.cmap)
+    n_mb = -(-(numel + min(m, numel) * (cfg.bm - 1)) // cfg.bm)
+    active = min(m, numel)
+    s1 = _split(cfg.split_gu, active * -(-inter // cfg.bn), g.cols, bk)
+    s2 = _split(cfg.split_down, active * -(-hidden // cfg.bn_down), prep.max_width, bkd)
+    k1 = _cdiv(_cdiv(g.cols, bk), s1) * bk  # whole tiles per split: tiles stay group-aligned
+    k2 = _cdiv(_cdiv(max(prep.max_width, 1), bkd), s2) * bkd
+    gu = torch.empty(s1, 2, numel, inter, dtype=torch.float32, device=dev)
+    y = torch.empty(s2, numel, hidden, dtype=torch.float32, device=dev)
+    rw = weights.reshape(-1).float().contiguous()
+    ks = _kernels()
+    bias_g, bias_u = prep.biases.get("gate", xa), prep.biases.get("up", xa)
+    zg = g.zeros if g.zeros is not None else g.words
+    zu = u.zeros if u.zeros is not None else u.words
+    ks["gate_up"][(n_mb, -(-inter // cfg.bn), s1)](
+        xa, gu, sorted_ids, eids, total, prep.widths,
+        g.words, g.high, g.table, zg, u.words, u.high, u.table, zu, bias_g, bias_u,
+        numel, top_k, g.cols, k1, xa.stride(0), inter, gu.stride(0), g.words.shape[2], g.words.stride(1),
+        g.words.stride(0), g.high.shape[2], g.high.stride(1), g.high.stride(0), g.rows, g.groups, g.group_size,
+        bias_g.shape[-1] if "gate" in prep.biases else 0,
+        FMT=g.fmt, BITS=g.bits, HAS_ZERO=g.zeros is not None, HAS_BIAS="gate" in prep.biases,
+        GPT=gpt, ONE_GROUP=g.groups == 1, BM=cfg.bm, BN=cfg.bn, BK=bk, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    bias_d = prep.biases.get("down", y)
+    ks["down"][(n_mb, -(-hidden // cfg.bn_down), s2)](
+        gu, y, sorted_ids, eids, total, prep.widths, rw,
+        d.words, d.high, d.table, d.zeros if d.zeros is not None else d.words, bias_d,
+        numel, hidden, inter, k2, gu.stride(0), y.stride(0), d.words.shape[2], d.words.stride(1), d.words.stride(0),
+        d.high.shape[2], d.high.stride(1), d.high.stride(0), d.groups, d.group_size, prep.alpha, prep.limit,
+        FMT=d.fmt, BITS=d.bits, HAS_ZERO=d.zeros is not None, HAS_BIAS="down" in prep.biases,
+        ACT=int(prep.act.value == "swiglu_clamped"), S_IN=s1, GPT=gptd, ONE_GROUP=d.groups == 1,
+        BM=cfg.bm, BN=cfg.bn_down, BK=bkd, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return y
