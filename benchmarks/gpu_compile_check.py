@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile the K1/K2/K5 kernels and the vLLM-algorithm baseline for an H200 (sm_90) without a GPU.
+"""Compile the K1/K2/K5 kernels, K3's decode GEMV and the vLLM-algorithm baseline for an H200 (sm_90) without a GPU.
 
 Triton's wheel ships ``ptxas``, so ``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` runs the whole
 GPU pipeline on a CPU-only machine. For every launch configuration of ``grouped_gemm.CONFIGS`` (and
@@ -44,14 +44,15 @@ def compile_one(fn, types_: dict, consts: dict, div16=(), warps=4, stages=3) -> 
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     return dict(smem=k.metadata.shared, cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))  # fmt: skip
+                wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+                v4=ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"))  # fmt: skip
 
 
 def main() -> int:
     from gpu_moe_baselines import VLLM_H200
     from gpu_moe_baselines import _kernels as vllm_kernels
 
-    from moecompress.kernels import combine, grouped_gemm, moe_align
+    from moecompress.kernels import codebook_gemv, combine, grouped_gemm, moe_align
 
     failures, n = [], 0
 
@@ -117,6 +118,36 @@ def main() -> int:
                dict(TOP_K=2, SPLIT=1, BN=256, MUL_W=True, CHECK_IDS=True, HAS_MAP=True)):
         report(f"K5 combine k{ck['TOP_K']} split{ck['SPLIT']} weights {ck['MUL_W']}",
                compile_one(combine._kernel(), tk, ck, ("N",)), False)  # fmt: skip
+    # K3 decode (issue 39): every bucket for codebook 4-bit per-row centroids, and each other format once;
+    # the code words must be read with 16-byte vector loads (``ld.global.v4``)
+    gv = codebook_gemv._kernels()
+    div = ("K", "stride_x", "n_inter", "sn", "se", "hsn", "hse", "n_words", "h_words", "k_split", "N", "split_in",
+           "stride_ys", "split_stride")  # fmt: skip
+    formats = [("codebook4 row", 0, 4, False, 1, True)] * len(codebook_gemv.DECODE_CONFIGS)
+    formats += [("rtn4 g128 zeros", 1, 4, True, 1, False), ("rtn8 sym row", 1, 8, False, 1, True),
+                ("codebook2 row", 0, 2, False, 1, True), ("codebook3 g32 biases clamp", 0, 3, False, 4, False)]
+    for j, (name, fmt, bits, zero, gpt, one) in enumerate(formats):
+        cfg = codebook_gemv.DECODE_CONFIGS[min(j, len(codebook_gemv.DECODE_CONFIGS) - 1)][1]
+        tab = "*bf16" if fmt == 0 else "*fp16"
+        for which, bn, bk in (("gate_up", cfg.bn, codebook_gemv.depth(cfg.bk, bits)),
+                              ("down", cfg.bn_down, codebook_gemv.depth(cfg.bk_down, bits))):
+            fn = gv[which]
+            tg = {n: ("*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+            tg.update({n: "*bf16" for n in ("x_ptr", "bg_ptr", "bu_ptr", "bd_ptr")})
+            tg.update({n: tab for n in ("tg_ptr", "tu_ptr", "td_ptr")})
+            tg.update({n: "*u8" if zero else "*i32" for n in ("zg_ptr", "zu_ptr", "zd_ptr")})
+            tg.update(gu_ptr="*fp32", y_ptr="*fp32", rw_ptr="*fp32", alpha="fp32", limit="fp32")
+            cg = dict(FMT=fmt, BITS=bits, HAS_ZERO=zero, HAS_BIAS="biases" in name, GPT=gpt, ONE_GROUP=one, BM=cfg.bm, BN=bn,
+                      BK=bk)  # fmt: skip
+            if which == "down":
+                cg.update(ACT=int("clamp" in name), S_IN=2)
+            res = compile_one(fn, {k: v for k, v in tg.items() if k in fn.arg_names}, cg,
+                              tuple(d for d in div if d in fn.arg_names), cfg.warps, cfg.stages)  # fmt: skip
+            tag = f"K3 gemv {which} {name} BM{cfg.bm} BN{bn} BK{bk}"
+            report(tag, res, False)
+            if res["v4"] == 0:
+                print(f"FAIL {tag}: code words not read with 16-byte loads", flush=True)
+                failures.append(tag)
     fused, _ = vllm_kernels()
     tv = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", w_ptr="*fp32", sorted_ptr="*i32", eids_ptr="*i32",
               total_ptr="*i32", N="i32", K="i32", EM="i32", num_valid="i32", stride_am="i32", stride_be="i32",

@@ -75,10 +75,11 @@ DECODE_CONFIGS: tuple[tuple[float, GemvConfig], ...] = (
     (1.0, GemvConfig(bm=1, bn=32, bk=256, bn_down=32, bk_down=256)),
     (2.0, GemvConfig(bm=2, bn=32, bk=256, bn_down=32, bk_down=256)),
     (4.0, GemvConfig(bm=4, bn=32, bk=128, bn_down=32, bk_down=128)),
-    (DECODE_MAX_ME, GemvConfig(bm=8, bn=32, bk=128, bn_down=64, bk_down=128, warps=8)),
+    (DECODE_MAX_ME, GemvConfig(bm=8, bn=32, bk=128, bn_down=64, bk_down=128)),
 )
 """``(m_e upper bound, config)`` per tokens-per-expert bucket, first match wins [est: chosen for an H200
-from the byte counts of KERNELS.md §1 — 32 B of 4-bit codes per thread per load at BK 256 / 4 warps —
+from the byte counts of KERNELS.md §1 — 32 B of 4-bit codes per thread and tile at BN 32, BK 256, 4 warps
+(``bk`` is for 4 bits; 2-bit tiles are twice as deep) —
 and not tuned; a GPU session tunes them with ``benchmarks/gpu_moe.py --only quantised``]."""
 
 
@@ -168,13 +169,19 @@ def prepare_proj(p, chunk: int = 8) -> GemvProj:
     return GemvProj(p.fmt, torch.cat(lo), torch.cat(hi), p.table, p.zeros, 3, p.rows, p.cols, int(p.table.shape[2]))
 
 
+def depth(bk: int, bits: int) -> int:
+    """A config's ``bk`` (chosen for 4 bits) at ``bits``: 2-bit tiles twice as deep, so each thread still
+    reads >= 16 bytes of code words per tile."""
+    return bk * 2 if bits == 2 else bk
+
+
 def tile_k(bk: int, p: GemvProj) -> tuple[int, int] | None:
     """``(BK, groups per tile)`` for projection ``p`` from the config's ``bk``: a tile holds whole
     words (``BK ≥ 32 / bits``; 32 for the 3-bit high plane) and either lies inside one group or holds
     whole groups (so its scales/centroids are one ``[BN, GPT(, 2^bits)]`` load); ``None`` when no tile
     fits (a group size like 24 at 2 bits): K3's GEMM serves the bank."""
     least = 32 if p.bits == 3 else codes_per_word(p.bits)
-    bk = max(least, min(bk, next_pow2(p.cols)))
+    bk = max(least, min(depth(bk, p.bits), next_pow2(p.cols)))
     if p.groups > 1:
         gs = p.group_size
         if gs % bk and bk % gs:
@@ -195,11 +202,15 @@ def _kernels() -> dict[str, object]:
     import triton
     import triton.language as tl
 
+    globals()["tl"] = tl  # helpers whose bodies name ``tl`` only in annotations resolve it here (real compiler)
+
     @triton.jit
     def _unpack(base, offs_n, n_ok, k0, n_words, sn, BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """Codes ``[BN, BK]`` (int32) of inputs ``k0 .. k0+BK`` from ``BK·BITS/32`` words per row."""
         CPW: tl.constexpr = 32 // BITS
-        widx = k0 // CPW + tl.arange(0, BK // CPW)
+        # k0 is a multiple of BK (the hint that makes these 16-byte vector loads on sm_90; rows are padded
+        # to 16 bytes, and the JIT sees their word stride divisible by 16 at real shapes)
+        widx = tl.multiple_of(k0 // CPW, BK // CPW) + tl.arange(0, BK // CPW)
         ptr = base + offs_n[:, None].to(tl.int64) * sn + widx[None, :]
         words = tl.load(ptr, mask=n_ok[:, None] & (widx < n_words)[None, :], other=0)
         q = (words[:, :, None] >> (tl.arange(0, CPW) * BITS)[None, None, :]) & ((1 << BITS) - 1)
@@ -237,16 +248,31 @@ def _kernels() -> dict[str, object]:
         return tab, z
 
     @triton.jit
-    def _decode(q, tab, z, FMT: tl.constexpr, GPT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Weights ``[BN, BK]`` fp32 from codes and the tile's tables (registers only)."""
+    def _decode(q, tab, FMT: tl.constexpr, GPT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """The tile, decoded once for the ``BM`` slots: codebook weights ``[BN, BK]`` fp32 (centroids
+        picked from the registers' table); rtn codes ``[BN, GPT, BK/GPT]`` as fp32 (scale and zero point
+        applied per group after the products, :func:`_row_dot`)."""
         q3 = tl.reshape(q, [BN, GPT, BK // GPT])
         if FMT == 0:
-            w = tl.gather(tab, q3, 2)
+            w = tl.reshape(tl.gather(tab, q3, 2), [BN, BK])
         else:
-            w = (q3 - z[:, :, None]).to(tl.float32) * tab[:, :, None]
-        return tl.reshape(w, [BN, BK])
+            w = q3.to(tl.float32)
+        return w
 
-    globals().update(_unpack=_unpack, _codes=_codes, _params=_params, _decode=_decode)  # jit callees resolve here
+    @triton.jit
+    def _row_dot(w, tab, z, xm, FMT: tl.constexpr, GPT: tl.constexpr, BK: tl.constexpr):
+        """``Σ_k W[n, k] · x[k]`` over the tile, ``[BN]`` fp32. rtn: ``Σ_g s_g·(Σ_k q·x − z_g·Σ_k x)`` —
+        scales and zero points meet ``[BN, GPT]`` partial sums, never the per-weight tile (on sm_90 a
+        per-weight broadcast of them compiles into one L1 load per weight)."""
+        if FMT == 0:
+            p = tl.sum(w * xm[None, :], axis=1)
+        else:
+            x3 = tl.reshape(xm, [GPT, BK // GPT])
+            pq = tl.sum(w * x3[None, :, :], axis=2)
+            p = tl.sum(tab * (pq - z.to(tl.float32) * tl.sum(x3, axis=1)[None, :]), axis=1)
+        return p
+
+    globals().update(_unpack=_unpack, _codes=_codes, _params=_params, _decode=_decode, _row_dot=_row_dot)  # jit callees resolve here
 
     @triton.jit
     def gemv_gate_up(
@@ -282,15 +308,15 @@ def _kernels() -> dict[str, object]:
                 tab_g, z_g = _params(tg_ptr, zg_ptr, e, offs_n, n_ok, k0 // gs, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
                 tab_u, z_u = _params(tu_ptr, zu_ptr, e, offs_n, n_ok, k0 // gs, n_rows, G, FMT, BITS, HAS_ZERO, GPT)
             qg = _codes(wg_ptr, hg_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
-            wg = _decode(qg, tab_g, z_g, FMT, GPT, BN, BK)
+            wg = _decode(qg, tab_g, FMT, GPT, BN, BK)
             qu = _codes(wu_ptr, hu_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
-            wu = _decode(qu, tab_u, z_u, FMT, GPT, BN, BK)
+            wu = _decode(qu, tab_u, FMT, GPT, BN, BK)
             for m in tl.static_range(BM):
                 slot = tl.load(sorted_ptr + pid_m * BM + m)
                 tok = (slot // top_k).to(tl.int64)
                 xm = tl.load(x_ptr + tok * stride_x + offs_k, mask=k_ok & (slot < numel), other=0.0).to(tl.float32)
-                pg = tl.sum(wg * xm[None, :], axis=1)
-                pu = tl.sum(wu * xm[None, :], axis=1)
+                pg = _row_dot(wg, tab_g, z_g, xm, FMT, GPT, BK)
+                pu = _row_dot(wu, tab_u, z_u, xm, FMT, GPT, BK)
                 acc_g += tl.where(rows[:, None] == m, pg[None, :], 0.0)
                 acc_u += tl.where(rows[:, None] == m, pu[None, :], 0.0)
         if HAS_BIAS:  # added once, by split 0
@@ -333,7 +359,7 @@ def _kernels() -> dict[str, object]:
             if not ONE_GROUP:
                 tab, z = _params(td_ptr, zd_ptr, e, offs_n, n_ok, k0 // gs, N, G, FMT, BITS, HAS_ZERO, GPT)
             q = _codes(wd_ptr, hd_ptr, e, offs_n, n_ok, k0, n_words, sn, se, h_words, hsn, hse, BITS, BN, BK)
-            w = _decode(q, tab, z, FMT, GPT, BN, BK)
+            w = _decode(q, tab, FMT, GPT, BN, BK)
             for m in tl.static_range(BM):
                 slot = tl.load(sorted_ptr + pid_m * BM + m)
                 a_ok = k_ok & (slot < numel)
@@ -350,7 +376,7 @@ def _kernels() -> dict[str, object]:
                 else:
                     a = g * tl.sigmoid(g) * u
                 a = tl.where(a_ok, a, 0.0)
-                part = tl.sum(w * a[None, :], axis=1)
+                part = _row_dot(w, tab, z, a, FMT, GPT, BK)
                 acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
         if HAS_BIAS:  # added once, by split 0
             acc += tl.load(bd_ptr + e * N + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
