@@ -3,6 +3,7 @@
 
     python benchmarks/gpu_moe.py [--out DIR] [--budget-s 330]     # H200: <= 6 min, CSV + JSON in DIR
     python benchmarks/gpu_moe.py --dry-run [--out DIR]            # same harness, tiny shapes, CPU interpreter
+    python benchmarks/gpu_moe.py --only quantised [--out DIR]     # issue 39's rows only: <= 3 min on an H200
 
 1. Roofs: device-to-device copy of 1 GiB (read + write counted) and a bf16 8192³ matmul (do_bench medians).
 2. Shapes (random weights): Qwen3-30B-A3B (E 128, k 8, H 2048, I 768), OLMoE-1B-7B (64, 8, 2048, 1024),
@@ -19,7 +20,12 @@
    graph, ``triton.testing.do_bench`` median over replays / 10; eager methods without graphs.
 6. Output per row: µs/layer, bytes moved (distinct experts hit × stored bytes + shared factors +
    activations) -> floor µs at the measured copy bandwidth and **% of floor**, TFLOP/s and % of the
-   measured matmul, speed-up vs ``vllm`` and ``eager``, per-token ms over the model's layers.
+   measured matmul, speed-up vs ``vllm`` and ``eager``, and ``vs_k2_bf16``: the bf16 K2 row of the same
+   shape, routing and batch divided by this row's time (> 1: faster than bf16; issue 39's acceptance),
+   per-token ms over the model's layers.
+7. ``--only quantised``: the bf16 K2 rows and the codebook 4/2-bit and rtn 4-bit g128 rows (K3: the
+   decode GEMV up to 8 tokens per expert, the GEMM above) at B ∈ {1, 4, 16, 64} and T = 2048 on the
+   Qwen3-30B-A3B shape, then B ∈ {1, 16} (and T = 2048) on OLMoE and Mixtral; budget 150 s of rows.
 
 Work is ordered by priority (acceptance numbers first) and stops starting new rows after ``--budget-s``
 seconds; rows not run are listed under ``skipped`` in the JSON. Needs only torch and triton: the package
@@ -61,7 +67,8 @@ SHAPES = {  # name: (E, k, H, I, layers)
 }
 DRY_SHAPES = {"qwen3-tiny": (16, 4, 64, 48, 48), "mixtral-tiny": (4, 2, 64, 80, 32)}
 COLUMNS = ["shape", "variant", "method", "routing", "batch", "us", "bytes", "floor_us", "pct_floor", "tflops",
-           "pct_matmul", "vs_vllm", "vs_eager", "per_token_ms", "err", "note"]
+           "pct_matmul", "vs_vllm", "vs_eager", "vs_k2_bf16", "per_token_ms", "err", "note"]
+QUANTISED = ("codebook4", "rtn4", "codebook2")
 
 
 # ---------------------------------------------------------------- banks
@@ -219,8 +226,16 @@ def roofs(dev) -> dict:
 
 
 # ---------------------------------------------------------------- the plan
-def plan(dry: bool) -> list[tuple]:
-    """``(shape, variant, routing, batch, methods)`` in priority order."""
+def plan(dry: bool, only: str | None = None) -> list[tuple]:
+    """``(shape, variant, routing, batch, methods)`` in priority order (``only="quantised"``: issue 39's
+    rows, each quantised row after the bf16 K2 row of its batch)."""
+    if only == "quantised":
+        if dry:
+            return [("qwen3-tiny", v, "uniform", b, ("k2",)) for b in (1, 3, 33) for v in ("bf16", *QUANTISED)]
+        rows = [("qwen3-30b-a3b", v, "uniform", b, ("k2",)) for b in (1, 4, 16, 64, 2048) for v in ("bf16", *QUANTISED)]
+        for s in ("olmoe-1b-7b", "mixtral-8x7b"):
+            rows += [(s, v, "uniform", b, ("k2",)) for b in (1, 16, 2048) for v in ("bf16", "codebook4", "rtn4")]
+        return rows
     if dry:
         every = ("k2", "vllm", "grouped_mm", "eager")
         rows = [("qwen3-tiny", "bf16", "uniform", b, every) for b in (1, 33)]
@@ -358,6 +373,7 @@ class Bench:
             floor = r["bytes"] / bw * 1e6
             tf = r["flops"] / (r["us"] * 1e-6) / 1e12
             vl = base.get((r["shape"], r["routing"], r["batch"], "vllm"))
+            k2 = base.get((r["shape"], r["routing"], r["batch"], "k2"))
             eg = next((x["us"] for x in self.rows if x["method"] == "eager" and
                        (x["shape"], x["variant"], x["routing"], x["batch"]) ==
                        (r["shape"], r["variant"], r["routing"], r["batch"])), None)
@@ -367,6 +383,7 @@ class Bench:
                 pct_floor=round(100 * floor / r["us"], 1), tflops=round(tf, 2), pct_matmul=round(100 * tf * 1e12 / pk, 1),
                 vs_vllm=None if vl is None else round(vl / r["us"], 2),
                 vs_eager=None if eg is None else round(eg / r["us"], 2),
+                vs_k2_bf16=None if k2 is None else round(k2 / r["us"], 2),
                 per_token_ms=round(r["us"] * r["layers"] / 1e3, 3),
                 err=None if r["err"] is None else float(f"{r['err']:.2e}"), note=r["note"]))
         return out
@@ -376,10 +393,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_moe_out"), help="output folder (default $OUT)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes under TRITON_INTERPRET=1 on CPU")
-    ap.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this (330 GPU, 50 dry)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop starting rows after this (330 GPU, 50 dry; --only quantised: 150 GPU)")
+    ap.add_argument("--only", choices=["quantised"], default=None,
+                    help="quantised: issue 39's rows (bf16 K2, codebook 4/2-bit, rtn 4-bit), <= 3 min on an H200")
     args = ap.parse_args(argv)
     t0 = time.time()
-    budget = args.budget_s or (50.0 if args.dry_run else 330.0)
+    budget = args.budget_s or (50.0 if args.dry_run else 150.0 if args.only else 330.0)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run on CPU", file=sys.stderr)
         return 2
@@ -387,7 +407,7 @@ def main(argv=None) -> int:
     bench = Bench(args)
     roof = roofs(bench.dev)
     print(f"roofs: copy {roof['copy_TBps']:.3f} TB/s, matmul {roof['matmul_TFLOPs']:.1f} TFLOP/s", flush=True)
-    for shape, variant, routing, batch, methods in plan(args.dry_run):
+    for shape, variant, routing, batch, methods in plan(args.dry_run, args.only):
         bench.run_row(shape, variant, routing, batch, methods, t0 + budget)
     rows = bench.finish(roof)
     out = Path(args.out)
@@ -403,6 +423,12 @@ def main(argv=None) -> int:
                 roofs=roof, seconds=round(time.time() - t0, 1), rows=rows, skipped=bench.skipped)
     (out / "gpu_moe.json").write_text(json.dumps(meta, indent=1))
     print(f"{len(rows)} rows, {len(bench.skipped)} skipped, {time.time() - t0:.0f} s -> {out}", flush=True)
+    quant = [r for r in rows if r["variant"] in QUANTISED]
+    if quant:  # issue 39's table: speed-up over the bf16 K2 layer of the same batch
+        print("shape          variant    B      us     vs_k2_bf16  pct_floor")
+        for r in quant:
+            print(f"{r['shape']:14s} {r['variant']:10s} {r['batch']:<6d} {r['us']:9.1f}  {r['vs_k2_bf16']}  "
+                  f"{r['pct_floor']}", flush=True)  # fmt: skip
     bad = [r for r in rows if r["err"] is not None and not (math.isfinite(r["err"]) and r["err"] <= 2e-2)]
     for r in bad:
         print(f"ERROR too large: {r}", file=sys.stderr)
