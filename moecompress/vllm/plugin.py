@@ -43,6 +43,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION
 from moecompress.io.routing import read_routing
+from moecompress.io.servability import VLLM_PLUGIN_TYPES
 from moecompress.runtime.quantizer import CompressedExperts
 from moecompress.vllm import METHOD
 
@@ -54,6 +55,16 @@ _LAYERS: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictiona
 name is a constant of compiled graphs, which vLLM may cache across processes)."""
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+SERVED = VLLM_PLUGIN_TYPES
+"""model_type -> the attribute of vLLM's decoder layer that holds the MoE block
+(:data:`moecompress.io.servability.VLLM_PLUGIN_TYPES`, what ``moecompress inspect`` reports). Our format
+stores experts under transformers' module path (``model.layers.<i>.mlp.experts``); vLLM's Mixtral calls the
+block ``block_sparse_moe``, so its names are mapped (:meth:`MoecompressVllmConfig.get_checkpoint_weight_mapper`).
+These architectures load through vLLM's ``AutoWeightsLoader``, which hands the block's tensors to
+``RoutedExperts.load_weights``; DeepSeek-V2/V3 and GPT-OSS have hand-written loaders that index every
+checkpoint name in the model's parameters and are refused at load (one line), as are the architectures
+not checked yet."""
 
 
 @torch.library.custom_op("moecompress::vllm_experts", mutates_args=())
@@ -126,7 +137,8 @@ class MoecompressVllmConfig(QuantizationConfig):
         block = getattr(config, "moecompress", None)
         if block is None:
             block = getattr(hf_config, "moecompress", None)
-        adapter = adapter_class(getattr(config, "model_type", None))(config)
+        model_type = getattr(config, "model_type", None)
+        adapter = adapter_class(model_type)(config)
         reader = None
         if Path(model_name).is_dir() and any(Path(model_name).glob("*.safetensors")):
             from moecompress.io.reader import ShardReader
@@ -136,6 +148,12 @@ class MoecompressVllmConfig(QuantizationConfig):
         if problems:
             raise problems[0].error(model_name)
         descs, _ = read_block(block, quant_method=METHOD)
+        if descs and model_type not in SERVED:
+            raise CheckpointError(
+                f"{model_name}: moecompress.vllm serves moecompress layouts of {', '.join(sorted(SERVED))}, not "
+                f"{model_type} (not checked yet, or its vLLM model has its own weight loader, which does not load "
+                "moecompress tensors); serve this output with moecompress.load"
+            )
         routing = read_routing(block)
         if routing:
             raise CheckpointError(
@@ -151,6 +169,18 @@ class MoecompressVllmConfig(QuantizationConfig):
                 )
         self.descs = dict(descs or {})
         self.hidden_size = int(adapter.hidden_size)
+        self.block_attr = SERVED.get(model_type, "mlp")
+
+    def get_checkpoint_weight_mapper(self):
+        """vLLM's mapper (``AutoWeightsLoader`` applies it), plus ``layers.<i>.mlp.experts.*`` ->
+        ``layers.<i>.block_sparse_moe.experts.*`` where vLLM's decoder layer names the block so."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        mapper = QuantizationConfig.get_checkpoint_weight_mapper()
+        if getattr(self, "block_attr", "mlp") == "mlp":
+            return mapper
+        rename = {re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\."): rf"\1.{self.block_attr}.experts."}
+        return mapper | WeightsMapper(orig_to_new_regex=rename)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
