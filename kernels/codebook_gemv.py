@@ -44,11 +44,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moecompress.kernels._launch import check_config, next_pow2
+from moecompress.kernels._launch import KernelConfigError, check_config, next_pow2
 from moecompress.layouts.bitpack import packed_size, unpack_bits
 
 CODEBOOK, RTN_FMT = 0, 1  # the same numbering as codebook_gemm (QuantProj.fmt)
 SMS = 132  # H200 streaming multiprocessors: split-K aims at >= 2 waves of programs
+MIN_BN = 32  # BN 16 with 2-bit codebooks crashes Triton 3.6's sm_90 pipeline (TritonGPUOptimizeThreadLocality)
 
 
 @dataclass(frozen=True)
@@ -419,7 +420,7 @@ def _cdiv(a: int, b: int) -> int:
 def _split(requested: int, programs: int, k: int, bk: int) -> int:
     if requested:
         return max(1, min(requested, -(-k // bk)))
-    return max(1, min(8, (2 * SMS) // max(programs, 1), -(-k // bk)))
+    return max(1, min(8, _cdiv(2 * SMS, max(programs, 1)), _cdiv(k, bk)))
 
 
 def decode_forward(prep, gp: GemvPrepared, cfg: GemvConfig, xa: torch.Tensor, ids: torch.Tensor,
@@ -436,8 +437,14 @@ def decode_forward(prep, gp: GemvPrepared, cfg: GemvConfig, xa: torch.Tensor, id
     hidden, inter, dev = d.rows, g.rows, xa.device
     bk, gpt = tile_k(cfg.bk, g)
     bkd, gptd = tile_k(cfg.bk_down, d)
+    check_config("codebook gemv", pow2={"bk": cfg.bk, "bk_down": cfg.bk_down})
     check_config("codebook gemv gate_up", pow2={"BM": cfg.bm, "BN": cfg.bn, "BK": bk})
     check_config("codebook gemv down", pow2={"BN": cfg.bn_down, "BK": bkd})
+    if min(cfg.bn, cfg.bn_down) < MIN_BN or cfg.bm > 8:
+        raise KernelConfigError(
+            f"codebook gemv: BN {cfg.bn}/{cfg.bn_down} must be >= {MIN_BN} (Triton 3.6 fails to compile 2-bit "
+            f"codebook tiles of 16 rows for sm_90) and BM {cfg.bm} <= 8 (one decoded tile serves BM slots)"
+        )
     sorted_ids, eids, total = moe_align(ids, m, cfg.bm, prep.members.cmap)
     n_mb = -(-(numel + min(m, numel) * (cfg.bm - 1)) // cfg.bm)
     active = min(m, numel)

@@ -23,6 +23,7 @@ from test_kernels_codebook import E, H, K, W, close, codebook_bank, routing, rtn
 from moecompress.ir import Act, ExpertBank
 from moecompress.kernels import codebook_gemm as k3
 from moecompress.kernels import codebook_gemv as kv
+from moecompress.kernels._launch import KernelConfigError
 from moecompress.layouts.bitpack import unpack_bits
 from moecompress.layouts.codebook import Codebook
 from moecompress.layouts.rtn import RTN
@@ -31,8 +32,9 @@ from moecompress.reference import experts_forward
 
 pytestmark = pytest.mark.interpreter
 
-# Small tiles so the tiny shapes still take several K steps, several splits and several N blocks.
-SMALL = kv.GemvConfig(bm=2, bn=16, bk=32, bn_down=32, bk_down=32, split_gu=2, split_down=2)
+# Small tiles so the tiny shapes still take several K steps, several splits and several N blocks (BN 32:
+# the smallest that compiles for sm_90 at every width, benchmarks/gpu_compile_check.py).
+SMALL = kv.GemvConfig(bm=2, bn=32, bk=32, bn_down=32, bk_down=32, split_gu=2, split_down=2)
 
 
 def run(bank: ExpertBank, t: int, dtype, *, cfg=SMALL, emap=None, ids=None, w=None, seed=0, h=H):
@@ -186,3 +188,11 @@ def test_bucket_dispatch():
     close(forward_on(prep2.forward, x, ids, w).cpu(), experts_forward(unfit, x, ids, w), torch.float32)
     y, r, _ = run(bank, 2, torch.float32, cfg=None)  # the default bucket table, end to end
     close(y, r, torch.float32)
+
+
+def test_bad_configs_fail_on_cpu_as_they_would_on_a_gpu():
+    bank = codebook_bank(2)
+    x, (ids, w) = torch.randn(3, H), routing(3)
+    for cfg in (dataclasses.replace(SMALL, bn=16), dataclasses.replace(SMALL, bm=16), dataclasses.replace(SMALL, bk=48)):
+        with pytest.raises(KernelConfigError):
+            forward_on(prepare_on(k3.prepare, bank, None, cfg).forward, x, ids, w)

@@ -17,7 +17,7 @@ that vLLM's Dynamo compilation of the CPU build does not trace its data-dependen
 
 from __future__ import annotations
 
-METHOD = "moecompress"
+METHOD = "moecompress"  # the same as moecompress.runtime.quantizer.METHOD (not imported: no torch here)
 
 
 def register() -> None:

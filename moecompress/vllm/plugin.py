@@ -44,8 +44,7 @@ from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION
 from moecompress.io.routing import read_routing
 from moecompress.io.servability import VLLM_PLUGIN_TYPES
-from moecompress.runtime.quantizer import CompressedExperts
-from moecompress.vllm import METHOD
+from moecompress.runtime.quantizer import METHOD, CompressedExperts
 
 ATTR = "moecompress"
 """The submodule of vLLM's ``RoutedExperts`` that holds a described layer's stored tensors."""
