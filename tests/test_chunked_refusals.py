@@ -31,7 +31,6 @@ def _plan(model, tmp_path, steps, chunk, **cal):
         {"tdmoe": {}},
         {"namex": {"ratio": 0.25}},
         {"merge_experts": {"ratio": 0.25}},
-        {"svd_experts": {}},
         {"codequant": {}},
     ],
 )

@@ -145,7 +145,7 @@ def test_end_to_end_writes_lowrank_loads_through_the_quantizer_and_matches_the_r
     assert cfg["quantization_config"]["quant_method"] == "moecompress"
     assert cfg["moecompress"]["layers"]["0"]["experts"]["down"]["kind"] == "lowrank"
     with safe_open(out / "model.safetensors", "pt") as f:
-        assert f.get_tensor("model.layers.0.mlp.experts.gate.u").shape == (32, 102)
+        assert f.get_tensor("model.layers.0.mlp.experts.gate.ut").shape == (102, 32)  # rank axis first
         assert f.get_tensor("model.layers.0.mlp.experts.down.v").shape == (102, 32)
     with torch.no_grad():
         got = mc.load(out)(IDS).logits

@@ -8,6 +8,9 @@ factors of every factorised expert concatenated along the rank axis, in expert-i
     W[e] = u[:, a:b] @ v[a:b]          u: [out, sum(ranks)],  v: [sum(ranks), in]
 
 so the file stores exactly ``sum(ranks) · (out + in)`` factor elements, whatever the per-expert ranks.
+Both packed factors are stored with the rank axis first (``ut = uᵀ`` ``[R, out]``, ``v`` ``[R, in]``), so a
+layer held by chunks of experts appends each chunk's factors to the file as they come and the bytes equal
+the whole layer's; files with ``u`` ``[out, R]`` (written before 2026-12-05) are still read.
 Experts with ``members[e] = -1`` (protected super experts) are stored dense and bit-identical in
 ``dense`` ``[P, out, in]``, in expert-id order. The forward ``(x @ v_mᵀ) @ u_mᵀ`` never builds the
 dense matrix.
@@ -143,7 +146,7 @@ class LowRank(Layout):
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"u": self.u, "v": self.v, "ranks": self.ranks, "members": self.members}
+        out = {"ut": self.u.t(), "v": self.v, "ranks": self.ranks, "members": self.members}
         if self.dense_experts.shape[0]:  # empty tensors are not written
             out["dense"] = self.dense_experts
         return out
@@ -160,12 +163,19 @@ class LowRank(Layout):
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> LowRank:
-        need = {"u", "v", "ranks", "members"}
-        if not need <= set(tensors) or not set(tensors) <= need | {"dense"}:
+        need = {"v", "ranks", "members"}
+        names = set(tensors)
+        if not need <= names or len(names & {"u", "ut"}) != 1 or not names <= need | {"u", "ut", "dense"}:
             raise LayoutError(
-                f"LowRank layout needs 'u', 'v', 'ranks', 'members' (and 'dense'), got {sorted(tensors)}"
+                f"LowRank layout needs 'ut' (or the older 'u'), 'v', 'ranks', 'members' (and 'dense'), got "
+                f"{sorted(tensors)}"
             )
-        u, members = tensors["u"], tensors["members"].to(torch.int64)
+        if "ut" in tensors:  # rank axis first on disk; [out, R] in memory, contiguous for the kernels
+            ut = tensors["ut"]
+            u = ut.t() if ut.device.type == "meta" else ut.t().contiguous()
+        else:
+            u = tensors["u"]
+        members = tensors["members"].to(torch.int64)
         dense = tensors.get("dense")
         if dense is None:
             _, out, inn = meta["shape"]

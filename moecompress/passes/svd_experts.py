@@ -22,6 +22,18 @@ whitened error). The stored factors are packed, so the achieved fraction is with
 baseline; on small matrices it removes noticeably more than ``ratio``, e.g. 0.4375 for 0.4 on
 ``[32, 64]``). A ratio that leaves rank 0 fails in the dry run.
 
+**By chunks of experts** (``expert_chunk: N`` or ``auto``, a layer larger than memory): the whiteners are
+pooled over the layer and passed whole to every chunk, so each expert's factors depend on that expert
+alone. With ``ranks: uniform`` the output is byte-identical to the whole layer's. With ``ranks:
+balanced`` each chunk spends its own budget ``⌊c·M_k⌋`` over its ``M_k`` decomposed experts (the same
+greedy choice inside the chunk): an expert's rank may differ by one from the whole-layer allocation, and
+the layer's total rank is ``Σ_k ⌊c·M_k⌋``, at most one less per chunk (after the first) than the whole
+layer's ``⌊c·M⌋`` (equal when ``c·M_k`` are whole numbers, or with ``ranks: uniform``); the step
+summary's ``decomposed_fraction_removed`` gives the achieved fraction. (A chunk does not know where it
+sits in the layer, so it cannot take its share of the layer's remainder.) Every layer with a routed
+expert is written in the ``lowrank`` layout, also one whose experts are all protected (all stored dense
+in it), so that chunks join.
+
 Protected (super) experts keep all three projections dense and bit-identical; shared experts, routers
 and biases are untouched. Input must be dense: decompose before neuron pruning, or prune with
 ``layout: uniform``.
@@ -44,7 +56,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
 from moecompress.errors import PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
@@ -102,8 +114,6 @@ def _emits(layer: MoELayer, cfg: SvdExpertsConfig) -> MoELayer:
     protected experts dense."""
     bank = layer.experts
     todo = bank.num_experts - len({layer.physical(e) for e in layer.protected})
-    if todo == 0:
-        return layer
     lays = []
     for name in PROJ:
         lay = getattr(bank, name)
@@ -132,24 +142,25 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
     protected = sorted({layer.physical(e) for e in layer.protected})
     todo = [e for e in range(bank.num_experts) if e not in protected]
     info: dict = {"protected": protected, "ranks": {}, "whitened_rel_error": {}}
-    if not todo:
-        n = bank.num_params()
-        return layer, {**info, "params_before": n, "params_after": n, "decomposed_before": 0,
-                       "decomposed_after": 0}  # fmt: skip
-    whiteners = projection_whiteners(stats, cfg.whitening, cfg.input_form)
+    # every expert protected (a whole layer, or a chunk of one): the lowrank layout, all dense, so that
+    # the chunks of a layer held by chunks join
+    whiteners = projection_whiteners(stats, cfg.whitening, cfg.input_form) if todo else {}
     lays, dec_before, dec_after = [], 0, 0
     for name in PROJ:
         lay = getattr(bank, name)
         _, out, inn = lay.shape
         w = lay.dense()
-        pairs, err = factorize(
-            w[todo], whiteners[name], *rank_split(out, inn, len(todo), cfg.ratio, cfg.ranks)
-        )
+        if todo:
+            pairs, err = factorize(
+                w[todo], whiteners[name], *rank_split(out, inn, len(todo), cfg.ratio, cfg.ranks)
+            )
+        else:
+            pairs, err = [], None
         new = LowRank.from_factors(dict(zip(todo, pairs)), {e: w[e] for e in protected}, w)
         lays.append(new)
         ranks = dict(zip(todo, (int(p[0].shape[1]) for p in pairs)))
         info["ranks"][name] = [ranks.get(e) for e in range(bank.num_experts)]
-        info["whitened_rel_error"][name] = float(err.mean())
+        info["whitened_rel_error"][name] = float(err.mean()) if err is not None else 0.0
         dec_before += len(todo) * out * inn
         dec_after += sum(ranks.values()) * (out + inn)
     new_bank = ExpertBank(*lays, widths=bank.widths, biases=bank.biases, act=bank.act, alpha=bank.alpha,
@@ -157,6 +168,21 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
     info.update(params_before=bank.num_params(), params_after=new_bank.num_params(),
                 decomposed_before=dec_before, decomposed_after=dec_after)  # fmt: skip
     return layer.replace(experts=new_bank), info
+
+
+def merge_svd(infos: list[dict], bnds: list[tuple[int, int]], cfg: SvdExpertsConfig) -> dict:
+    """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``): ranks concatenated, the
+    protected ids in the layer's numbering, counts summed, the whitened errors weighted by each chunk's
+    decomposed experts."""
+    out: dict = {"protected": shifted_ids(infos, bnds, "protected"), "ranks": {}, "whitened_rel_error": {}}
+    for name in infos[0]["ranks"]:
+        out["ranks"][name] = [r for i in infos for r in i["ranks"][name]]
+        n = [sum(r is not None for r in i["ranks"][name]) for i in infos]
+        errs = [i["whitened_rel_error"][name] for i in infos]
+        out["whitened_rel_error"][name] = sum(e * k for e, k in zip(errs, n)) / sum(n) if sum(n) else 0.0
+    for key in ("params_before", "params_after", "decomposed_before", "decomposed_after"):
+        out[key] = sum(i[key] for i in infos)
+    return out
 
 
 def summarize_svd(infos: dict[int, dict], cfg: SvdExpertsConfig) -> dict:
@@ -198,4 +224,5 @@ SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
     on_device=True, workspace=_workspace, alters=frozenset({"weights"}),
+    chunking=Chunking("expert", merge=merge_svd),  # pooled whiteners: per expert, the layer by chunks
 )  # fmt: skip
