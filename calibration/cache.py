@@ -2,7 +2,10 @@
 
 Layout: ``<root>/<model key>-<calibration key>-<stats key>/`` holding ``meta.json`` (what was
 collected, for which model and calibration, and the SHA-256 of every file), ``layer-NNN.safetensors``
-(forward statistics) and ``layer-NNN.grad.safetensors`` (gradient statistics). A later run or step
+(forward statistics), ``layer-NNN.grad.safetensors`` (gradient statistics) and, for a layer calibrated
+by chunks of experts, ``layer-NNN.experts-AAAAAA-BBBBBB.safetensors`` (the per-expert covariances of
+experts ``[A, B)``, :data:`~moecompress.calibration.stats.SPILLED`, written chunk by chunk and read back
+by rows: :class:`ExpertRows`). A later run or step
 needing a subset of what an existing entry holds reuses it. A directory becomes visible only when
 complete (written as ``*.partial`` and renamed), so a crash never leaves a half cache that looks
 finished; a failed calibration removes its ``*.partial``.
@@ -23,11 +26,12 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
@@ -175,8 +179,7 @@ class StatsCache:
         return final
 
 
-def save_layer(entry: Path, i: int, stats: dict[str, torch.Tensor], grad: bool = False) -> None:
-    name = f"layer-{i:03d}{'.grad' if grad else ''}.safetensors"
+def _save(entry: Path, name: str, stats: dict[str, torch.Tensor]) -> None:
     tmp = entry / (name + ".tmp")
     try:
         save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp))
@@ -187,9 +190,75 @@ def save_layer(entry: Path, i: int, stats: dict[str, torch.Tensor], grad: bool =
     os.replace(tmp, entry / name)
 
 
-def load_layer(entry: Path, i: int) -> dict[str, torch.Tensor]:
-    """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files), each file
-    checked against the hash its entry recorded; a step sees only the part it declared
+def save_layer(entry: Path, i: int, stats: dict[str, torch.Tensor], grad: bool = False) -> None:
+    _save(entry, f"layer-{i:03d}{'.grad' if grad else ''}.safetensors", stats)
+
+
+def save_experts(entry: Path, i: int, a: int, stats: dict[str, torch.Tensor]) -> None:
+    """Experts ``[a, a + n)``'s per-expert statistics of layer ``i`` (every tensor ``[n, ...]``)."""
+    if not stats:  # the recipe needs none of them
+        return
+    n = {t.shape[0] for t in stats.values()}
+    if len(n) != 1:
+        raise ValueError(f"save_experts: one expert count expected, got {sorted(n)}")
+    _save(entry, f"layer-{i:03d}.experts-{a:06d}-{a + n.pop():06d}.safetensors", stats)
+
+
+def _expert_files(entry: Path, i: int) -> list[tuple[int, int, Path]]:
+    pattern = re.compile(rf"layer-{i:03d}\.experts-(\d+)-(\d+)\.safetensors")
+    found = [(m, p) for p in entry.glob(f"layer-{i:03d}.experts-*.safetensors") if (m := pattern.fullmatch(p.name))]
+    return sorted((int(m[1]), int(m[2]), p) for m, p in found)
+
+
+class ExpertRows:
+    """The per-expert statistics a chunked calibration wrote apart for layer ``i`` (``save_experts``),
+    read by rows: :meth:`rows` maps only the files that overlap the asked experts (each file hashed first,
+    as :func:`load_layer` does), so a step on a chunk holds its own experts' rows, not the layer's."""
+
+    def __init__(self, entry: Path, i: int) -> None:
+        self.entry, self.i = entry, i
+        self.files = _expert_files(entry, i)
+        self.num_experts = self.files[-1][1] if self.files else 0
+        self.names: tuple[str, ...] = ()
+        if self.files:
+            with safe_open(str(self.files[0][2]), "pt") as f:
+                self.names = tuple(sorted(f.keys()))
+        self._checked: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+    def _check(self, path: Path) -> None:
+        if path.name in self._checked:
+            return
+        meta = read_meta(self.entry)["files"] if (self.entry / META).is_file() else None
+        if meta is not None and _file_hash(path) != meta.get(path.name):
+            raise CacheError(f"statistics cache file {path} changed while this run used it; run again (the damaged "
+                             "entry is then recomputed)")  # fmt: skip
+        self._checked.add(path.name)
+
+    def rows(self, a: int, b: int, names: set[str] | frozenset[str] | None = None) -> dict[str, torch.Tensor]:
+        """Rows ``[a, b)`` of every statistic (or of ``names``), ``[b - a, ...]`` float32."""
+        want = [n for n in self.names if names is None or n in names]
+        parts: dict[str, list[torch.Tensor]] = {n: [] for n in want}
+        for lo, hi, path in self.files:
+            if hi <= a or lo >= b or not want:
+                continue
+            self._check(path)
+            try:
+                with safe_open(str(path), "pt") as f:
+                    for n in want:
+                        parts[n].append(f.get_slice(n)[max(a, lo) - lo : min(b, hi) - lo].clone())
+            except (OSError, SafetensorError) as err:
+                raise CacheError(f"statistics cache file {path} is damaged ({err}); delete {self.entry} and run "
+                                 "again") from None  # fmt: skip
+        return {n: torch.cat(p) for n, p in parts.items() if p}
+
+
+def load_layer(entry: Path, i: int, experts: bool = True) -> dict[str, torch.Tensor]:
+    """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files, and with
+    ``experts`` the per-expert files of a chunked calibration joined whole), each file checked against the
+    hash its entry recorded; a step sees only the part it declared
     (:meth:`moecompress.engine.spec.LayerStats.view`)."""
     files = read_meta(entry)["files"] if (entry / META).is_file() else None  # None: still being filled
     out: dict[str, torch.Tensor] = {}
@@ -206,4 +275,8 @@ def load_layer(entry: Path, i: int) -> dict[str, torch.Tensor]:
             out.update(load_bytes(data))
         except SafetensorError as err:
             raise CacheError(f"statistics cache file {path} is damaged ({err}); delete {entry} and run again") from None
+    if experts:
+        rows = ExpertRows(entry, i)
+        if rows:
+            out.update(rows.rows(0, rows.num_experts))
     return out

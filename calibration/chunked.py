@@ -107,8 +107,8 @@ class ChunkedLayer:
         self.ranges = [(a, min(a + size, e)) for a in range(0, e, size)]
         self.recorder = RecordingMoE(skel.ckpt.adapter.module_returns_tuple)
 
-    def collector(self, needs, sample_tokens: int = 512) -> StatsCollector:
-        return StatsCollector(self.shell, needs, sample_tokens)
+    def collector(self, needs, sample_tokens: int = 512, spill: bool = False) -> StatsCollector:
+        return StatsCollector(self.shell, needs, sample_tokens, spill=spill)
 
     def chunks(self, check: bool):
         """``(first expert, bank)`` for every chunk, each read (and checked) when it is reached."""
@@ -133,11 +133,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: list[bool], needs,
-                  sample_tokens: int, keep_inputs: bool) -> tuple[list[torch.Tensor], StatsCollector]:  # fmt: skip
+                  sample_tokens: int, keep_inputs: bool, save_experts=None) -> tuple[list[torch.Tensor], StatsCollector]:  # fmt: skip
     """Layer ``i``'s outputs for every batch of ``hidden`` and its forward statistics' collector.
-    ``hidden[b]`` is released (set to ``None``) once recorded unless ``keep_inputs``."""
+    ``hidden[b]`` is released (set to ``None``) once recorded unless ``keep_inputs``. ``save_experts(i, a,
+    stats)``: given, the per-expert covariances (:data:`~moecompress.calibration.stats.SPILLED`) of every
+    chunk ``[a, b)`` are handed to it once the chunk is done and not held (the collector's ``result`` has
+    the rest)."""
     layer = ChunkedLayer(skel, i, size)
-    col, dev, cpu = layer.collector(needs, sample_tokens), skel.device, torch.device("cpu")
+    col, dev, cpu = layer.collector(needs, sample_tokens, spill=save_experts is not None), skel.device, torch.device("cpu")
     mod = layer.module()
     h1s, us = [], []
     with torch.no_grad():
@@ -167,6 +170,8 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
                 col.resume_batch(states[b], u)
                 _, _, w = states[b]
                 expert_partials(bank, u, phys[b], w, outs[b], accs[b], col, first)
+            if save_experts is not None:
+                save_experts(i, first, col.spill(first, first + bank.num_experts))
             del bank
         result = []
         for b, u in enumerate(us):

@@ -24,6 +24,12 @@ from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
 from moecompress.methods.mixture import AUTO_TOKENS, expert_output_gram, fit_tokens, route_energy
 
+SPILLED = ("expert_in_cov", "down_in_cov")
+"""The per-expert covariances (``[E, H, H]``, ``[E, I, I]``): at DeepSeek-V3 shapes 205 MB of float32 per
+expert. A layer calibrated by chunks of experts keeps their float64 sums for the current chunk only; once
+its chunk-outer sweep is done they are finished and handed out (:meth:`StatsCollector.spill`) to be
+written apart (``calibration/cache.py``, :func:`~moecompress.calibration.cache.save_experts`)."""
+
 IMPLIED = (
     ("expert_out_gram", "io_sample"),
     ("expert_out_gram_fisher", "out_grad_cov"),
@@ -41,10 +47,13 @@ class StatsCollector:
     """
 
     def __init__(
-        self, layer: MoELayer, names: set[str] | frozenset[str], sample_tokens: int = 512, *, rounds: bool = False
-    ) -> None:
+        self, layer: MoELayer, names: set[str] | frozenset[str], sample_tokens: int = 512, *, rounds: bool = False,
+        spill: bool = False,
+    ) -> None:  # fmt: skip
         """``rounds``: a data-parallel rank's collector, whose per-batch contributions are taken round by
-        round (:meth:`take_round`) and merged in batch order into another collector (:meth:`add_round`)."""
+        round (:meth:`take_round`) and merged in batch order into another collector (:meth:`add_round`).
+        ``spill``: the :data:`SPILLED` statistics are kept per expert and handed out by :meth:`spill` (an
+        expert-chunked layer); :meth:`result` then leaves them out."""
         self.names = set(names) | ALWAYS
         self.names |= {dep for name, dep in IMPLIED if name in self.names}
         self.layer = layer
@@ -71,10 +80,19 @@ class StatsCollector:
         self._attribution: dict[str, torch.Tensor] = {}
         self._seq: dict[str, list[torch.Tensor]] | None = {} if rounds else None
         """a round's unindexed additions, in order (several per batch for the pooled sums)"""
+        self._spill = spill
+        self._apart: dict[str, dict[int, torch.Tensor]] = {}
+        """``spill``: the :data:`SPILLED` float64 sums of the experts not yet handed out, by expert"""
 
     # -- helpers ---------------------------------------------------------------------------------
     def _add(self, name: str, value: torch.Tensor, index: int | None = None) -> None:
         value = value.detach().double()
+        if self._spill and index is not None and name in SPILLED:  # the same additions as the [E, ...] sums
+            apart = self._apart.setdefault(name, {})
+            if index not in apart:
+                apart[index] = torch.zeros_like(value)
+            apart[index] += value
+            return
         if index is None and self._seq is not None:  # kept apart: merged later in the one process's order
             self._seq.setdefault(name, []).append(value.clone())
             return
@@ -254,6 +272,30 @@ class StatsCollector:
         gf = g.detach().float().reshape(-1, g.shape[-1])
         self._n_grad_tokens += gf.shape[0]
         self._add("out_grad_cov", gf.T @ gf)
+
+    def spill(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """The finished :data:`SPILLED` means of experts ``[a, b)`` (float32 ``[b - a, ...]`` on the host,
+        bit for bit rows ``a..b`` of what :meth:`result` gives whole), released here. Call it once the
+        chunk-outer sweep of those experts is done: their sums and ``routed`` counts are final."""
+        if not self._spill:
+            raise ValueError("spill() needs a collector made with spill=True")
+        routed = self._counts.get("routed", torch.zeros(self.layer.experts.num_experts, dtype=torch.float64))
+        out = {}
+        for name in SPILLED:
+            if name not in self.names:
+                continue
+            apart = self._apart.get(name, {})
+            n = self.layer.hidden_size if name == "expert_in_cov" else self.layer.experts.width
+            rows = []
+            for e in range(a, b):
+                s = apart.pop(e, None)
+                if s is None:  # no token reached it: the zero rows of the [E, ...] sums
+                    rows.append(torch.zeros(n, n))
+                    continue
+                rows.append((s / routed[e].clamp_min(1).to(s.device)).float().cpu())
+                del s
+            out[name] = torch.stack(rows) if rows else torch.zeros(0, n, n)
+        return out
 
     # -- results ---------------------------------------------------------------------------------
     def result(self) -> dict[str, torch.Tensor]:

@@ -169,6 +169,7 @@ def run_calibration(
     offload: str = "auto",
     save_forward: Callable[[int, dict[str, torch.Tensor]], None],
     save_backward: Callable[[int, dict[str, torch.Tensor]], None],
+    save_experts: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None,
     on_layer: OnLayer | None = None,
     progress: bool = True,
     expert_chunks: Mapping[int, int] | None = None,
@@ -178,7 +179,9 @@ def run_calibration(
     ``expert_chunks``: MoE layer -> experts per chunk, the layers run by chunks of experts
     (:mod:`moecompress.calibration.chunked`; the others are held whole). ``ranks``: data-parallel over
     ``torch.distributed`` ranks (:mod:`moecompress.engine.distributed`): this rank runs the batches
-    ``b % world_size == rank``, and every rank ends with the statistics of one process, bit for bit."""
+    ``b % world_size == rank``, and every rank ends with the statistics of one process, bit for bit.
+    ``save_experts(i, a, stats)``: a chunked layer's per-expert covariances, chunk by chunk
+    (:func:`moecompress.calibration.chunked.forward_layer`); ``None``: in its ``save_forward``."""
     from moecompress.calibration import chunked  # it builds on this module's helpers
 
     ckpt = skel.ckpt
@@ -222,7 +225,8 @@ def run_calibration(
             apart = base is not None and base.hidden is not None  # the base stream differs from this one
             if i in chunks:
                 outs, col = chunked.forward_layer(skel, i, chunks[i], hidden, kwargs, batches.holdout, needs,
-                                                  sample_tokens, keep_inputs=trace is not None)  # fmt: skip
+                                                  sample_tokens, keep_inputs=trace is not None,
+                                                  save_experts=save_experts)  # fmt: skip
                 _check_outputs(i, outs)
                 if trace is not None:
                     trace.after_layer(i, hidden, outs, batches.holdout, col)

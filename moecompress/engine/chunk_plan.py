@@ -45,12 +45,12 @@ def fixed_chunks(recipe: Recipe, ckpt: Checkpoint) -> dict[int, int]:
 
 def auto_chunk(
     recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer, whole: int, dtype: torch.dtype, stats: int,
-    written: list, limit: int,
+    written: list, limit: int, spilled: int = 0,
 ) -> int | None:  # fmt: skip
     """``auto``'s chunk size for layer ``i`` whose whole-layer estimate is ``whole`` (``None``: whole)."""
     if whole <= limit or not chunkable(recipe, ckpt, i):
         return None
-    size = auto_size(recipe, layer, dtype, stats, written, limit)
+    size = auto_size(recipe, layer, dtype, stats, written, limit, spilled)
     return size if size is not None and size < layer.experts.num_experts else None
 
 
@@ -92,9 +92,14 @@ def refusal(step) -> str | None:
 
 
 def chunk_peaks(
-    recipe: Recipe, layer: MoELayer, n: int, dtype: torch.dtype, stats: int, written: list
+    recipe: Recipe, layer: MoELayer, n: int, dtype: torch.dtype, stats: int, written: list, spilled: int = 0
 ) -> list[int]:
-    """Estimated peak bytes of every step on layer ``layer`` (``meta``) held by chunks of ``n`` experts."""
+    """Estimated peak bytes of every step on layer ``layer`` (``meta``) held by chunks of ``n`` experts.
+    ``stats``: the layer's statistics bytes, of which ``spilled`` are per-expert covariances that a chunk
+    reads by rows (:class:`~moecompress.calibration.cache.ExpertRows`): a chunk holds its share twice
+    while the rows are joined."""
+    e = max(layer.experts.num_experts, 1)
+    stats = stats - spilled + 2 * -(-spilled * n // e)
     sub = chunks.sub_layer(layer, chunks.meta_bank(layer.experts, 0, n), 0)
     rest = (layer.nbytes() - layer.experts.nbytes()) - (sub.nbytes() - sub.experts.nbytes())
     c = recipe.calibration
@@ -117,13 +122,13 @@ def chunk_peaks(
 
 
 def auto_size(
-    recipe: Recipe, layer: MoELayer, dtype: torch.dtype, stats: int, written: list, limit: int
+    recipe: Recipe, layer: MoELayer, dtype: torch.dtype, stats: int, written: list, limit: int, spilled: int = 0
 ) -> int | None:
     """The largest balanced chunk whose every step estimate fits ``limit`` (``None``: not even one expert)."""
     e = layer.experts.num_experts
 
     def fits(n: int) -> bool:
-        return max(chunk_peaks(recipe, layer, n, dtype, stats, written), default=0) <= limit
+        return max(chunk_peaks(recipe, layer, n, dtype, stats, written, spilled), default=0) <= limit
 
     if not fits(1):
         return None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moecompress.calibration.cache import load_layer
+from moecompress.calibration.cache import ExpertRows, load_layer
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
@@ -80,6 +80,8 @@ class LayerPlan:
     infos: dict[int, dict]
     secs: list[float]
     err: Errors | None
+    rows: ExpertRows | None = None
+    """the per-expert covariances a chunked calibration wrote apart, read chunk by chunk"""
 
 
 def skeleton(bank: ExpertBank) -> ExpertBank:
@@ -185,7 +187,7 @@ def prepare(
     """The layer's part of an expert-chunked run (module docstring); ``plans[s]``: step ``s``'s decision."""
     dev, host = torch.device(ctx.device), torch.device("cpu")
     shell0 = ckpt.read_layer_shell(idx)
-    stats = {host: load_layer(entry, idx) if entry is not None else {}}
+    stats = {host: load_layer(entry, idx, experts=False) if entry is not None else {}}  # the rest: by rows
     if dev != host:
         stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
     secs = [0.0] * len(steps)
@@ -210,7 +212,21 @@ def prepare(
         shells.append(new)
     hx = stats[dev].get("holdout_x")
     err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
-    return LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err)
+    rows = ExpertRows(entry, idx) if entry is not None else None
+    return LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows)
+
+
+def _chunk_stats(lp: LayerPlan, step, where, e_s: int, a: int, b: int) -> dict[str, torch.Tensor]:
+    """Experts ``[a, b)``'s statistics for ``step``: the layer file's narrowed, and the rows of the
+    per-expert covariances a chunked calibration wrote apart (read now, for this chunk only)."""
+    out = chunks.slice_stats(lp.stats[where], e_s, a, b)
+    want = set(step.needs) - set(out)
+    if lp.rows and want & set(lp.rows.names):
+        if e_s != lp.rows.num_experts:  # the dry run refuses statistics that would have to follow the layer
+            raise PassError(f"{step.label}, layer {lp.idx}: its per-expert statistics describe "
+                            f"{lp.rows.num_experts} experts, the layer has {e_s}; use expert_chunk: off")  # fmt: skip
+        out.update({k: v.to(where) for k, v in lp.rows.rows(a, b, want).items()})
+    return out
 
 
 def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[ErrPart | StepPart]:
@@ -237,7 +253,7 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
             where = dev if step.spec.on_device else host
             cur = layer_to(cur, where)
             n, e_s = cur.experts.num_experts, lp.shells[s].router.num_experts
-            st = step_stats(step, idx, chunks.slice_stats(lp.stats[where], e_s, g0, g0 + n),
+            st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
                             plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
             new, info = run_step(step, cur, st)
             new = chunks.as_kind(cur, new, lp.kinds[s])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
+from moecompress.calibration.stats import SPILLED
 from moecompress.engine import chunk_plan, follow, resources, segments
 from moecompress.engine.context import compute_dtype, resolve_device
 from moecompress.engine.recipe import Recipe
@@ -155,6 +156,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
         stats = resources.stat_bytes(needs, _stat_dims(recipe, layer))
+        spilled = resources.stat_bytes(needs & set(SPILLED), _stat_dims(recipe, layer))  # read by rows when chunked
         before = layer
         entries = []
         for n, out in enumerate(chain(recipe, layer)):
@@ -169,16 +171,17 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             before = out
         whole = max((e["bytes"] for e in entries), default=0)
         if limit is not None:  # expert_chunk: auto, chunks for a layer that does not fit whole
-            size = chunk_plan.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit)
+            size = chunk_plan.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit, spilled)
             if size is not None:
                 chunked[i] = size
             if cap is not None and cap < layer.experts.num_experts and chunk_plan.chunkable(recipe, ckpt, i):
                 chunked[i] = min(chunked.get(i, cap), cap)  # calibration holds a chunk too
         if i in chunked:
             chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit)
-            peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written)
+            peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written, spilled)
+            share = stats - spilled + 2 * -(-spilled * chunked[i] // max(layer.experts.num_experts, 1))
             for e, p in zip(entries, peaks):
-                e.update(bytes=p, chunk=chunked[i])
+                e.update(bytes=p, chunk=chunked[i], stats_bytes=share)
         blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s) is not None), None)
         for step, e in zip(recipe.steps, entries):
             if blocked is not None:

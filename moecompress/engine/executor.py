@@ -33,10 +33,18 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from moecompress.calibration.cache import StatsCache, load_layer, model_key, save_layer, tokens_key
+from moecompress.calibration.cache import (
+    StatsCache,
+    load_layer,
+    model_key,
+    save_experts,
+    save_layer,
+    tokens_key,
+)
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
+from moecompress.calibration.stats import SPILLED
 from moecompress.calibration.sweep import Batches, run_calibration
 from moecompress.engine import distributed, expert_shard, resources, segments
 from moecompress.engine.context import RunContext, resolve_device
@@ -183,6 +191,7 @@ def calibrate_stats(
                 offload=c.offload,
                 save_forward=lambda i, s: save_layer(entry, i, s) if writer else None,
                 save_backward=lambda i, s: save_layer(entry, i, s, grad=True) if writer else None,
+                save_experts=lambda i, a, s: save_experts(entry, i, a, s) if writer else None,
                 on_layer=on_layer,
                 progress=ctx.progress,
                 expert_chunks=ctx.expert_chunks,
@@ -208,7 +217,7 @@ def run_plans(recipe: Recipe, ckpt: Checkpoint, entry: Path | None) -> dict[int,
         if not step.spec.plans_for(step.config):  # no plan, or this configuration decides nothing across layers
             continue
         all_stats = {
-            i: step_stats(step, i, load_layer(entry, i) if entry is not None else {},
+            i: step_stats(step, i, load_layer(entry, i, experts=bool(set(SPILLED) & step.needs)) if entry is not None else {},
                           protected=frozenset(protected[i]))
             for i in ckpt.moe_layer_indices
         }

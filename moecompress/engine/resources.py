@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS, CATALOGUE, backward_needed
+from moecompress.calibration.stats import SPILLED
 from moecompress.calibration.sweep import OFFLOAD_AUTO_BYTES, PROPAGATE_CHUNKED
 from moecompress.engine.peak import rss_bytes
 from moecompress.engine.recipe import Recipe
@@ -93,7 +94,9 @@ def estimate(
     layer counts one chunk of experts, and the run every batch's recorded MoE input and its fp32 MoE
     output accumulator (forward) or input gradient (backward) besides the activations. ``stats``: the
     float32 bytes of each statistic of the largest MoE layer; its collector (:func:`collector_bytes`) is
-    held with the layer, in the forward sweep and the backward's layer phase."""
+    held with the layer, in the forward sweep and the backward's layer phase; when every MoE layer is
+    chunked, its per-expert covariances (:data:`~moecompress.calibration.stats.SPILLED`) count one chunk's
+    share (they are written apart chunk by chunk)."""
     if recipe.calibration.data_free:
         return {"calibration_memory_bytes": 0, "calibration_layer_bytes": 0, "backward_disk_bytes": 0}
     c, cfg = recipe.calibration, ckpt.raw_config
@@ -112,7 +115,11 @@ def estimate(
     )
     # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
     in_layer = layer_mem + (act + tokens * hidden * 4 if chunks else 0)
-    fwd, bwd = collector_bytes(stats or {}, "forward"), collector_bytes(stats or {}, "backward")
+    sizes = dict(stats or {})
+    if chunks and set(chunks) >= set(ckpt.moe_layer_indices):  # no layer holds every expert's sums at once
+        e, n = max(ckpt.adapter.num_experts, 1), max(chunks.values())
+        sizes = {k: -(-b * n // e) if k in SPILLED else b for k, b in sizes.items()}
+    fwd, bwd = collector_bytes(sizes, "forward"), collector_bytes(sizes, "backward")
     mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer + fwd  # the forward sweep
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):

@@ -1,0 +1,114 @@
+"""Per-expert covariances of a layer calibrated by chunks of experts (issue 37): written apart chunk by
+chunk (``StatsCollector.spill``, ``cache.save_experts``), read back by rows (``cache.ExpertRows``), bit for
+bit what the whole-layer sweep gives; a chunked ``gptq`` run on them writes the whole-layer run's bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import save_tiny
+
+import moecompress as mc
+from moecompress.calibration.cache import ExpertRows, load_layer, save_experts
+from moecompress.calibration.skeleton import Skeleton
+from moecompress.calibration.stats import SPILLED
+from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.engine import resources
+from moecompress.errors import CacheError
+
+NEEDS = {"expert_in_cov", "down_in_cov", "expert_counts", "act_sq_mean", "router_prob_mean", "router_entropy",
+         "holdout"}  # fmt: skip
+
+
+def _calibrate(ckpt, chunks, spilled=None):
+    fwd = {}
+    ids = torch.randint(3, 128, (6, 12), generator=torch.Generator().manual_seed(0))
+    save = None if spilled is None else (lambda i, a, s: spilled.setdefault(i, []).append((a, s)))
+    run_calibration(Skeleton(ckpt, torch.float32), Batches.make(ids, holdout=2, batch_size=2), NEEDS,
+                    save_forward=fwd.__setitem__, save_backward=lambda i, s: None, save_experts=save,
+                    progress=False, expert_chunks=chunks)  # fmt: skip
+    return fwd
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_spilled_rows_equal_the_whole_layer(tmp_path, model_type):
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    whole = _calibrate(ckpt, {})
+    e = ckpt.adapter.num_experts
+    for size in (1, 3):
+        spilled: dict = {}
+        fwd = _calibrate(ckpt, dict.fromkeys(ckpt.moe_layer_indices, size), spilled)
+        for i in ckpt.moe_layer_indices:
+            assert not set(SPILLED) & set(fwd[i]), "the layer's statistics leave the spilled ones out"
+            for k, want in whole[i].items():
+                if k not in SPILLED:
+                    assert torch.equal(fwd[i][k], want), (size, i, k)
+            starts = [a for a, _ in spilled[i]]
+            assert starts == list(range(0, e, size))  # one hand-out per chunk, in order
+            for name in SPILLED:
+                got = torch.cat([s[name] for _, s in spilled[i]])
+                assert got.dtype == torch.float32 and torch.equal(got, whole[i][name]), (size, i, name)
+
+
+def test_rows_cross_file_boundaries_and_hashes_are_checked(tmp_path):
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    full = {"expert_in_cov": torch.randn(7, 4, 4), "down_in_cov": torch.randn(7, 3, 3)}
+    for a in range(0, 7, 3):
+        save_experts(entry, 5, a, {k: v[a : a + 3] for k, v in full.items()})
+    save_experts(entry, 5, 7, {})  # nothing to write
+    rows = ExpertRows(entry, 5)
+    assert rows.num_experts == 7 and set(rows.names) == set(SPILLED)
+    for a, b in ((0, 7), (1, 5), (3, 6), (6, 7), (2, 3)):
+        got = rows.rows(a, b)
+        for k, v in full.items():
+            assert torch.equal(got[k], v[a:b]), (a, b, k)
+    assert set(rows.rows(1, 2, {"down_in_cov"})) == {"down_in_cov"}
+    assert torch.equal(load_layer(entry, 5)["expert_in_cov"], full["expert_in_cov"])
+    assert "expert_in_cov" not in load_layer(entry, 5, experts=False)
+    assert not ExpertRows(entry, 4)
+    # a file that changes under a published entry stops the read with one line naming it
+    files = sorted(p.name for p in entry.glob("layer-*.safetensors"))
+    (entry / "meta.json").write_text(json.dumps({"files": dict.fromkeys(files, "0" * 64), "stats": []}))
+    with pytest.raises(CacheError, match=r"layer-005\.experts-000000-000003"):
+        ExpertRows(entry, 5).rows(0, 1)
+
+
+def _apply(model, out, chunk, cache, steps):
+    rec = {"model": str(model), "output": str(out), "steps": steps, "expert_chunk": chunk,
+           "calibration": {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4, "cache_dir": str(cache)}}  # fmt: skip
+    return mc.apply(rec, progress=False)
+
+
+def test_chunked_gptq_on_spilled_statistics_writes_the_whole_layer_bytes(tmp_path):
+    save_tiny("deepseek_v3", tmp_path / "m", num_hidden_layers=2, num_experts_per_tok=2)
+    steps = [{"gptq": {"bits": 4, "group_size": 16}}]
+    _apply(tmp_path / "m", tmp_path / "whole", "off", tmp_path / "c1", steps)
+    _apply(tmp_path / "m", tmp_path / "chunk", 3, tmp_path / "c2", steps)  # its own cache: calibrated by chunks
+    (entry,) = [p for p in (tmp_path / "c2").iterdir() if p.is_dir()]
+    apart = sorted(p.name for p in entry.glob("layer-*.experts-*.safetensors"))
+    assert apart and all("experts-000000-000003" in n or "experts-000003-000006" in n or "experts-000006-000008" in n
+                         for n in apart)  # fmt: skip
+    assert "expert_in_cov" not in load_layer(entry, 1, experts=False)
+    names = sorted(p.name for p in (tmp_path / "whole").glob("*.safetensors"))
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "chunk" / name).read_bytes(), name
+
+
+def test_estimate_counts_one_chunk_of_the_per_expert_covariances(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    rec = mc.load_recipe({"model": str(ckpt.path), "output": str(tmp_path / "o"), "steps": [{"gptq": {"bits": 4}}],
+                          "calibration": {"source": "random", "samples": 8, "seq_len": 16}})  # fmt: skip
+    e, h = ckpt.adapter.num_experts, ckpt.raw_config["hidden_size"]
+    sizes = {"expert_in_cov": e * h * h * 4}
+    moe = ckpt.moe_layer_indices
+    whole = resources.estimate(rec, ckpt, torch.float32, chunks={}, stats=sizes)
+    one = resources.estimate(rec, ckpt, torch.float32, chunks=dict.fromkeys(moe, 1), stats=sizes)
+    two = resources.estimate(rec, ckpt, torch.float32, chunks=dict.fromkeys(moe, 2), stats=sizes)
+    assert whole["calibration_stats_bytes"] == resources.collector_bytes(sizes, "forward")
+    assert one["calibration_stats_bytes"] == resources.collector_bytes({"expert_in_cov": h * h * 4}, "forward")
+    assert two["calibration_stats_bytes"] == resources.collector_bytes({"expert_in_cov": 2 * h * h * 4}, "forward")
