@@ -1,0 +1,112 @@
+"""``svd_experts`` by chunks of experts (issue 37): held-out KL to the base model of ``svd_experts {ratio: 0.4}``
+run on whole layers and on layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for
+``ranks: balanced`` (each chunk spends its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical).
+Calibration, evaluation (the last 2 % of every corpus file held out) and expert bytes as in
+``benchmarks/chain_quality.py`` (its ``expert_bytes``).
+
+    OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--shared /work/shared] [--models ref-qwen3moe
+        ref-mixtral] [--samples 64] [--holdout 8] [--seq-len 256] [--eval-tokens 16384] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chain_quality import expert_bytes
+
+MODELS = ["ref-qwen3moe", "ref-mixtral"]
+
+
+def digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(d).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--ratio", type=float, default=0.4)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--holdout", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--json", help="also write all rows to this JSON file")
+    args = ap.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    import moecompress as mc
+    from moecompress.io.checkpoint import open_checkpoint
+
+    hf_logging.disable_progress_bar()
+    data = Path(args.shared) / "data"
+    corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
+    work = Path(tempfile.mkdtemp(prefix="svd-chunked-"))
+    ev = {"texts": corpus, "max_tokens": args.eval_tokens, "seq_len": args.seq_len}
+    source = "file:" + ",".join(corpus)
+    results: dict = {"args": vars(args), "models": {}}
+    for name in args.models:
+        model = data / "models" / name
+        ckpt = open_checkpoint(model)
+        e = ckpt.read_layer_shell(ckpt.moe_layer_indices[0]).router.num_experts
+        chunk = max(1, e // 4)
+        cal = {"source": source, "samples": args.samples + args.holdout, "seq_len": args.seq_len, "seed": 0,
+               "holdout": args.holdout, "batch_size": 8, "cache_dir": str(work / f"{name}-cache")}  # fmt: skip
+        base = mc.load(model)
+        res = {"experts": e, "chunk": chunk, "base_expert_bytes": expert_bytes(model), "rows": {}}
+        for ranks in ("balanced", "uniform"):
+            for label, ec in (("whole", "off"), (f"chunk{chunk}", chunk)):
+                out = work / f"{name}-{ranks}-{label}"
+                steps = [{"svd_experts": {"ratio": args.ratio, "ranks": ranks}}]
+                t0 = time.perf_counter()
+                mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps,
+                          "expert_chunk": ec}, progress=False, overwrite=True)  # fmt: skip
+                wall = time.perf_counter() - t0
+                rep = json.loads(next((out / "steps").glob("*/report.json")).read_text())
+                t1 = time.perf_counter()
+                ev_out = mc.evaluate(out, against=base, **ev)
+                row = {"ranks": ranks, "expert_chunk": ec, "expert_bytes": expert_bytes(out), "kl": ev_out["kl"],
+                       "perplexity": ev_out["perplexity"], "base_perplexity": ev_out["base_perplexity"],
+                       "top1_agreement": ev_out["top1_agreement"], "wall_s": wall,
+                       "eval_s": time.perf_counter() - t1, "sha256_16": digest(out),
+                       "total_rank": {p: sum(sum(r for r in row["info"]["ranks"][p] if r is not None)
+                                             for row in rep["layers"]) for p in ("gate", "up", "down")},
+                       "decomposed_fraction_removed": rep["summary"]["decomposed_fraction_removed"]}  # fmt: skip
+                res["rows"][f"{ranks}-{label}"] = row
+                print(f"{name} {ranks} {label}: {row['expert_bytes']} B, KL {row['kl']:.5f}, ppl "
+                      f"{row['perplexity']:.3f}, ranks {row['total_rank']}, {wall:.1f} s + eval "
+                      f"{row['eval_s']:.1f} s, sha {row['sha256_16']}", flush=True)  # fmt: skip
+                shutil.rmtree(out, ignore_errors=True)
+        results["models"][name] = res
+        del base
+    for name, res in results["models"].items():
+        print(f"\n**{name}** ({res['experts']} experts, chunks of {res['chunk']}; base expert bytes "
+              f"{res['base_expert_bytes']:,})\n")  # fmt: skip
+        print(
+            "| ranks | layer held | expert bytes | total rank gate/up/down | KL to base | held-out ppl | sha256[:16] |"
+        )
+        print("|---|---|---:|---|---:|---:|---|")
+        for r in res["rows"].values():
+            tr = "/".join(str(r["total_rank"][p]) for p in ("gate", "up", "down"))
+            held = "whole" if r["expert_chunk"] == "off" else f"chunks of {r['expert_chunk']}"
+            print(f"| {r['ranks']} | {held} | {r['expert_bytes']:,} | {tr} | {r['kl']:.5f} | {r['perplexity']:.3f} | "
+                  f"`{r['sha256_16']}` |")  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
