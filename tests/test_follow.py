@@ -163,12 +163,36 @@ def test_recalibrated_step_equals_a_second_recipe_on_the_first_ones_output(tmp_p
 
 
 def test_following_statistics_hold_the_layer_whole(tmp_path, model):
-    """Replayed statistics need the whole layer: an explicit expert_chunk is refused in the dry run."""
+    """Replayed statistics need the whole layer: under recalibrate: off an explicit expert_chunk is refused
+    in the dry run; expert_chunk: auto holds such a layer whole."""
     steps = [{"expert_prune": {"ratio": 0.25}}, {"neuron_prune": {"method": "wanda"}}]
     with pytest.raises(RecipeError, match="held whole, but expert_chunk: 4 holds it by chunks"):
-        mc.apply({**_recipe(model, tmp_path / "out", steps), "expert_chunk": 4}, dry_run=True, progress=False)
+        mc.apply({**_recipe(model, tmp_path / "out", steps, recalibrate="off"), "expert_chunk": 4}, dry_run=True,
+                 progress=False)  # fmt: skip
     assert mc.apply(_recipe(model, tmp_path / "out", steps), dry_run=True, progress=False).report["dry_run"][
         "expert_chunk"] == {}
+
+
+def test_expert_chunk_recalibrates_what_cannot_follow_a_chunked_layer(tmp_path, model):
+    """expert_chunk: N with recalibrate: auto cuts before a step whose statistics would have to follow the
+    layer (a chunk cannot map or replay them): prune then quantise runs by chunks, and writes the bytes of
+    the second step run as its own recipe on the first one's output, both by chunks."""
+    from safetensors.torch import load_file
+
+    first, second = {"expert_prune": {"ratio": 0.25, "method": "frequency"}}, {"gptq": {"bits": 4, "group_size": 16}}
+    both = {**_recipe(model, tmp_path / "both", [first, second]), "expert_chunk": 3}
+    plan = mc.apply(both, dry_run=True, progress=False).report["dry_run"]
+    assert plan["segments"] == [["step 1 (expert_prune)"], ["step 2 (gptq)"]]
+    assert plan["expert_chunk"] == {"0": 3, "1": 3, "2": 3}
+    res = mc.apply(both, progress=False)
+    assert list(res.report["calibration"]) == ["segment 1", "segment 2"]
+    mc.apply({**_recipe(model, tmp_path / "a", [first]), "expert_chunk": 3}, progress=False)
+    mc.apply({**_recipe(tmp_path / "a", tmp_path / "b", [second]), "expert_chunk": 3}, progress=False)
+    got, want = load_file(tmp_path / "both" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # under expert_chunk: auto the same recipe maps the kept experts' statistics (held whole), no cut
+    assert "segments" not in mc.apply(_recipe(model, tmp_path / "c", [first, second]), dry_run=True,
+                                      progress=False).report["dry_run"]  # fmt: skip
 
 
 PIPELINES = ["expert_prune_gptq", "heapr_gptq", "namex_rtn", "prune_then_quantize"]

@@ -41,18 +41,22 @@ def _refusal(name: str) -> bool:
     return CATALOGUE[name].kind == "backward" or name == "route_attrib"
 
 
-def verdicts(steps: Sequence[Any], *, recalibrate: bool = False) -> list[dict[str, str]]:
+def verdicts(steps: Sequence[Any], *, recalibrate: bool | str = False) -> list[dict[str, str]]:
     """Per step, the rule for every statistic it reads (``keep``, ``map``, ``sample``, ``replay``). A
     statistic that cannot follow the layer raises :class:`RecipeError` naming both steps and the fix; with
-    ``recalibrate`` the step starts a new segment instead (:func:`cuts`), calibrated afresh, all ``keep``."""
+    ``recalibrate`` the step starts a new segment instead (:func:`cuts`), calibrated afresh, all ``keep``.
+    ``recalibrate="chunks"`` (``Recipe.recalibrates`` under ``expert_chunk: N``): every statistic that
+    would have to follow the layer starts a new segment too, because a layer held by chunks of experts
+    cannot map or replay them; every rule is then ``keep``."""
     return _walk(steps, recalibrate)[0]
 
 
-def cuts(steps: Sequence[Any]) -> list[int]:
+def cuts(steps: Sequence[Any], strict: bool = False) -> list[int]:
     """``calibration.recalibrate: auto``: the indices of the steps that start a new per-layer segment,
     calibrated afresh on the previous segment's output, because a statistic they read cannot follow the
-    layer through the earlier steps (a backward or a trace through the changed model, a cross-layer plan)."""
-    return _walk(steps, True)[1]
+    layer through the earlier steps (a backward or a trace through the changed model, a cross-layer plan);
+    ``strict``: also every step reading a statistic that would be mapped, sampled or replayed."""
+    return _walk(steps, "chunks" if strict else True)[1]
 
 
 def _cannot_follow(step: Any, stale: dict[str, Any], mapped: dict[str, Any]) -> str | None:
@@ -71,7 +75,7 @@ def _cannot_follow(step: Any, stale: dict[str, Any], mapped: dict[str, Any]) -> 
     return None
 
 
-def _walk(steps: Sequence[Any], recalibrate: bool) -> tuple[list[dict[str, str]], list[int]]:
+def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str, str]], list[int]]:
     mapped: dict[str, Any] = {}  # statistic -> the neuron-subset step that mapped it (still exact)
     stale: dict[str, Any] = {}  # statistic -> the step that changed what it depends on
     out: list[dict[str, str]] = []
@@ -82,6 +86,8 @@ def _walk(steps: Sequence[Any], recalibrate: bool) -> tuple[list[dict[str, str]]
             out.append({})
             continue
         why = _cannot_follow(step, stale, mapped)
+        if why is None and recalibrate == "chunks" and any(n in stale or n in mapped for n in step.needs):
+            why = "held by chunks"  # strict: nothing follows the layer, the step reads a fresh calibration
         if why is not None:
             if not recalibrate:
                 raise RecipeError(why)
@@ -118,7 +124,7 @@ def _why(step: Any, by: Any, name: str) -> str:
     )
 
 
-def extra_needs(steps: Sequence[Any], recalibrate: bool = False) -> frozenset[str]:
+def extra_needs(steps: Sequence[Any], recalibrate: bool | str = False) -> frozenset[str]:
     """What calibration must collect beyond the steps' needs for :func:`verdicts`' rules (none when the
     recipe is refused: the dry run says why)."""
     try:
@@ -134,7 +140,7 @@ def extra_needs(steps: Sequence[Any], recalibrate: bool = False) -> frozenset[st
     return frozenset(extra)
 
 
-def required(steps: Sequence[Any], recalibrate: bool = False) -> bool:
+def required(steps: Sequence[Any], recalibrate: bool | str = False) -> bool:
     """Whether any statistic of the recipe is mapped, recomputed or replayed (the layer is then held
     whole: not by chunks of experts, not sharded over ranks)."""
     try:
@@ -251,5 +257,5 @@ def split_kept(info: dict) -> tuple[dict, list[list[int]] | None]:
 def follower(rec: Any, stats: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Follower:
     """The :class:`Follower` of one layer of recipe ``rec`` (batches as calibration's)."""
     c = rec.calibration
-    return Follower(stats, verdicts(rec.steps), sample_tokens=c.sample_tokens, dtype=dtype,
+    return Follower(stats, verdicts(rec.steps, recalibrate=rec.recalibrates), sample_tokens=c.sample_tokens, dtype=dtype,
                     batch_tokens=c.batch_size * c.seq_len)  # fmt: skip

@@ -239,9 +239,13 @@ class Recipe:
         return frozenset().union(*(s.needs for s in self.steps)) | follow.extra_needs(self.steps, self.recalibrates)
 
     @property
-    def recalibrates(self) -> bool:
-        """``calibration.recalibrate: auto`` on a calibrated run: the recipe may be cut (``follow.cuts``)."""
-        return self.calibration.recalibrate == "auto" and not self.calibration.data_free
+    def recalibrates(self) -> bool | str:
+        """``calibration.recalibrate: auto`` on a calibrated run: the recipe may be cut (``follow.cuts``);
+        ``"chunks"`` (true) under ``expert_chunk: N``: cut before every step whose statistics would have to
+        follow the layer, which a layer held by chunks of experts cannot do."""
+        if self.calibration.recalibrate != "auto" or self.calibration.data_free:
+            return False
+        return "chunks" if isinstance(self.expert_chunk, int) else True
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def split(rec: Recipe) -> list[list[Step]]:
     """The recipe's steps cut at every stage (each stage is a segment of its own) and, under
     ``calibration.recalibrate: auto``, before every step whose statistics cannot follow the layer through
     the earlier steps (:func:`moecompress.engine.follow.cuts`): that segment is calibrated afresh."""
-    fresh = set(follow.cuts(rec.steps)) if rec.recalibrates else set()
+    fresh = set(follow.cuts(rec.steps, strict=rec.recalibrates == "chunks")) if rec.recalibrates else set()
     out: list[list[Step]] = [[]]
     for n, s in enumerate(rec.steps):
         if s.spec.stage is not None:
