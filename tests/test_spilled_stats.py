@@ -112,3 +112,25 @@ def test_estimate_counts_one_chunk_of_the_per_expert_covariances(tmp_path):
     assert whole["calibration_stats_bytes"] == resources.collector_bytes(sizes, "forward")
     assert one["calibration_stats_bytes"] == resources.collector_bytes({"expert_in_cov": h * h * 4}, "forward")
     assert two["calibration_stats_bytes"] == resources.collector_bytes({"expert_in_cov": 2 * h * h * 4}, "forward")
+
+
+def test_calibration_cap_is_balanced(tmp_path):
+    """``expert_chunk: auto``'s calibration chunk: as many chunks as the largest fitting size needs, of equal
+    size (8 experts, 5 fit: two chunks of 4, not 5 + 3)."""
+    from moecompress.engine import chunk_plan
+
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    rec = mc.load_recipe({"model": str(ckpt.path), "output": str(tmp_path / "o"), "steps": [{"gptq": {"bits": 4}}],
+                          "calibration": {"source": "random", "samples": 8, "seq_len": 16}})  # fmt: skip
+    e, h = ckpt.adapter.num_experts, ckpt.raw_config["hidden_size"]
+    sizes = {"expert_in_cov": e * h * h * 4}
+    moe = ckpt.moe_layer_indices
+
+    def need(n):
+        return resources.estimate(rec, ckpt, torch.float32, chunks=dict.fromkeys(moe, n), stats=sizes)[
+            "calibration_memory_bytes"]
+
+    assert e == 8 and need(4) < need(5) < need(6)
+    assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(5), sizes) == 4
+    assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(2), sizes) == 2

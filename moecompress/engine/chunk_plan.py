@@ -48,24 +48,35 @@ def auto_chunk(
     written: list, limit: int, spilled: int = 0,
 ) -> int | None:  # fmt: skip
     """``auto``'s chunk size for layer ``i`` whose whole-layer estimate is ``whole`` (``None``: whole)."""
-    if whole <= limit or not chunkable(recipe, ckpt, i):
+    if whole <= limit or not chunkable(recipe, ckpt, i, layer):
         return None
     size = auto_size(recipe, layer, dtype, stats, written, limit, spilled)
     return size if size is not None and size < layer.experts.num_experts else None
 
 
-def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int) -> bool:
-    """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able)."""
-    able = all(refusal(s) is None for s in recipe.steps) and not follow.required(recipe.steps, recipe.recalibrates)
-    return i not in ckpt.layouts and able
+def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None = None) -> bool:
+    """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able);
+    ``layer``: its shapes (read from the shard headers when not given)."""
+    if i in ckpt.layouts or follow.required(recipe.steps, recipe.recalibrates):
+        return False
+    if any(refusal(s) is not None for s in recipe.steps):
+        return False
+    if any(s.spec.chunking.refuse_layer is not None for s in recipe.steps):
+        if layer is None:
+            from moecompress.engine.dry_run import meta_layer  # (dry_run imports this module)
+
+            layer = meta_layer(ckpt, i)
+        return all(refusal(s, layer) is None for s in recipe.steps)
+    return True
 
 
 def calibration_cap(
     recipe: Recipe, ckpt: Checkpoint, dtype: torch.dtype, limit: int, stats: dict[str, int] | None = None
 ) -> int | None:
-    """``auto``: the largest number of experts per chunk, the same for every chunkable MoE layer, with which
+    """``auto``: the number of experts per chunk, the same for every chunkable MoE layer, with which
     calibration's estimate (:func:`resources.estimate`) fits ``limit``; ``None`` when calibration fits with
-    whole layers (or cannot fit even by single experts: :func:`resources.check` then refuses it)."""
+    whole layers (or cannot fit even by single experts: :func:`resources.check` then refuses it). Balanced:
+    the chunks of the largest size that fits, made equal (8 experts, 5 fit: 4 + 4)."""
     if recipe.calibration.data_free:
         return None
     layers = [i for i in ckpt.moe_layer_indices if chunkable(recipe, ckpt, i)]
@@ -76,19 +87,24 @@ def calibration_cap(
 
     if not layers or need(None) <= limit or need(1) > limit:
         return None
-    lo, hi = 1, ckpt.adapter.num_experts
+    e = ckpt.adapter.num_experts
+    lo, hi = 1, e
     while lo < hi:  # the estimate grows with n: the largest n that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
-    return lo
+    return math.ceil(e / math.ceil(e / lo))  # balanced: as many chunks, none smaller than the others
 
 
-def refusal(step) -> str | None:
-    """Why ``step`` cannot run on a layer held by chunks (``None``: it can)."""
+def refusal(step, layer: MoELayer | None = None) -> str | None:
+    """Why ``step`` cannot run on a layer held by chunks (``None``: it can); with ``layer`` (its shapes),
+    also why it cannot on that layer (``Chunking.refuse_layer``)."""
     mode = step.spec.chunking
     if mode is None:
         return "needs every expert of the layer at once"
-    return mode.refuse(step.config) if mode.refuse is not None else None
+    why = mode.refuse(step.config) if mode.refuse is not None else None
+    if why is None and layer is not None and mode.refuse_layer is not None:
+        why = mode.refuse_layer(layer, step.config)
+    return why
 
 
 def chunk_peaks(
@@ -140,9 +156,11 @@ def auto_size(
     return math.ceil(e / k)
 
 
-def check_chunked(recipe: Recipe, i: int, n: int, whole: int, limit: int | None) -> None:
-    """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` held by
-    chunks of ``n`` experts, or a propagation of the compressed layers."""
+def check_chunked(
+    recipe: Recipe, i: int, n: int, whole: int, limit: int | None, layer: MoELayer | None = None
+) -> None:
+    """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` (shapes:
+    ``layer``) held by chunks of ``n`` experts, or a propagation of the compressed layers."""
     how = f"expert_chunk: {recipe.expert_chunk} holds it by chunks of {n} experts"
     if follow.required(recipe.steps, recipe.recalibrates):
         raise RecipeError(
@@ -150,7 +168,7 @@ def check_chunked(recipe: Recipe, i: int, n: int, whole: int, limit: int | None)
             f"when it is held whole, but {how}; set expert_chunk: off, or run the steps as two recipes"
         )
     for step in recipe.steps:
-        why = refusal(step)
+        why = refusal(step, layer)
         if why is None:
             continue
         fit = "" if limit is None else f", {limit / GiB:.1f} GiB are available"
