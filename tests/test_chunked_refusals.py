@@ -31,7 +31,6 @@ def _plan(model, tmp_path, steps, chunk, **cal):
         {"tdmoe": {}},
         {"namex": {"ratio": 0.25}},
         {"merge_experts": {"ratio": 0.25}},
-        {"codequant": {}},
     ],
 )
 def test_a_step_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step):

@@ -482,6 +482,14 @@ def test_chunk_parts_travel_as_bytes_unchanged(model):
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
+def test_codequant_kmeans_rotated_sharded_by_experts_is_byte_identical(model):
+    """codequant k-means only (exact by chunks) with a rotation: the layers are shared out by chunks (rank 1
+    works one of 2 per layer), the rotation goes once with the chunk of the layer's first expert."""
+    steps = [{"codequant": {"bits": 3, "finetune_steps": 0, "rotation": "hadamard", "kmeans_iters": 50}}]
+    _compare_sharded(model, "cqs", steps, served=2)
+
+
+@pytest.mark.slow  # 2 ranks with calibration (~25 s)
 def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
     """heapr (global plan), expert_prune (a selection on the shell), rtn, every step written; the held-back
     error sums cross ranks."""

@@ -62,10 +62,8 @@ def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None =
     if any(refusal(s) is not None for s in recipe.steps):
         return False
     if any(s.spec.chunking.refuse_layer is not None for s in recipe.steps):
-        if layer is None:
-            from moecompress.engine.dry_run import meta_layer  # (dry_run imports this module)
-
-            layer = meta_layer(ckpt, i)
+        if layer is None:  # a stock layer (the others are never chunked) from its shard headers
+            layer = ckpt.read_layer_with(i, lambda names: {n: ckpt.reader.meta(n) for n in names})
         return all(refusal(s, layer) is None for s in recipe.steps)
     return True
 

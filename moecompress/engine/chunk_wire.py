@@ -59,7 +59,8 @@ def _bank(bank: ExpertBank, box: _Tensors) -> dict:
                 "tensors": {k: box.ref(t) for k, t in getattr(bank, p).tensors().items()}} for p in PROJ}  # fmt: skip
     return {"layouts": lays, "widths": None if bank.widths is None else box.ref(bank.widths),
             "biases": {k: box.ref(v) for k, v in bank.biases.items()}, "act": bank.act.value, "alpha": bank.alpha,
-            "limit": bank.limit}  # fmt: skip
+            "limit": bank.limit, "rotation": None if bank.rotation is None else box.ref(bank.rotation),
+            "act_bits": bank.act_bits, "unrotated": sorted(bank.unrotated)}  # fmt: skip
 
 
 def _unbank(d: dict, tensors: dict[str, torch.Tensor]) -> ExpertBank:
@@ -68,7 +69,8 @@ def _unbank(d: dict, tensors: dict[str, torch.Tensor]) -> ExpertBank:
     return ExpertBank(
         *lays, widths=None if d["widths"] is None else _tensor(d["widths"], tensors),
         biases={k: _tensor(r, tensors) for k, r in d["biases"].items()}, act=Act(d["act"]), alpha=d["alpha"],
-        limit=d["limit"],
+        limit=d["limit"], rotation=None if d.get("rotation") is None else _tensor(d["rotation"], tensors),
+        act_bits=d.get("act_bits"), unrotated=frozenset(d.get("unrotated", ())),
     )  # fmt: skip
 
 

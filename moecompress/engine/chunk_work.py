@@ -82,6 +82,8 @@ class LayerPlan:
     err: Errors | None
     rows: ExpertRows | None = None
     """the per-expert covariances a chunked calibration wrote apart, read chunk by chunk"""
+    preludes: dict[int, Any] = field(default_factory=dict)
+    """an ``expert`` step's ``Chunking.prelude`` result, computed once for the layer"""
 
 
 def skeleton(bank: ExpertBank) -> ExpertBank:
@@ -97,6 +99,8 @@ def skeleton(bank: ExpertBank) -> ExpertBank:
     return ExpertBank(
         *lays, widths=None if bank.widths is None else bank.widths.to("cpu"),
         biases={k: light(v) for k, v in bank.biases.items()}, act=bank.act, alpha=bank.alpha, limit=bank.limit,
+        rotation=None if bank.rotation is None else light(bank.rotation), act_bits=bank.act_bits,
+        unrotated=bank.unrotated,
     )  # fmt: skip
 
 
@@ -191,7 +195,7 @@ def prepare(
     if dev != host:
         stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
     secs = [0.0] * len(steps)
-    shells, kept_of, kinds, infos = [shell0], [], [], {}
+    shells, kept_of, kinds, infos, preludes = [shell0], [], [], {}, {}
     for s, step in enumerate(steps):  # the selections, once per layer, on the shell
         mode = step.spec.chunking
         if mode is None:
@@ -208,12 +212,22 @@ def prepare(
             new = shells[-1]
             kept_of.append(None)
             kinds.append(mode.kind(shells[-1], st, step.config) if mode.kind is not None else None)
+            why = mode.refuse_layer(new, step.config) if mode.refuse_layer is not None else None
+            if why is not None:
+                raise PassError(f"{step.label}, layer {idx}: {why}")
+            if mode.prelude is not None:  # once per layer (a rotation of the MoE input), given to every chunk
+                try:
+                    preludes[s] = mode.prelude(new, st, step.config)
+                except MoecompressError as e:
+                    raise PassError(f"{step.label}, layer {idx}: {e}") from None
         secs[s] += time.perf_counter() - t0
         shells.append(new)
     hx = stats[dev].get("holdout_x")
     err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
     rows = ExpertRows(entry, idx) if entry is not None else None
-    return LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows)
+    return LayerPlan(
+        idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows, preludes
+    )
 
 
 def _chunk_stats(lp: LayerPlan, step, where, e_s: int, a: int, b: int) -> dict[str, torch.Tensor]:
@@ -253,8 +267,10 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
             where = dev if step.spec.on_device else host
             cur = layer_to(cur, where)
             n, e_s = cur.experts.num_experts, lp.shells[s].router.num_experts
+            pre = lp.preludes.get(s)
+            pre = pre.chunk(g0, g0 + n) if hasattr(pre, "chunk") else pre
             st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
-                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
+                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre)  # fmt: skip
             new, info = run_step(step, cur, st)
             new = chunks.as_kind(cur, new, lp.kinds[s])
             if new.router_weight is not cur.router_weight or new.shared is not cur.shared:
@@ -278,8 +294,11 @@ def encode_chunk(
 ) -> tuple[bool, list[tuple[str, str, torch.Tensor]]]:
     """One chunk's routed experts of a written step, as ``(stock, [(how, name, tensor)])``: ``how`` is
     ``add`` for per-expert names under their ids in the layer, ``append`` for segments of fused ``[E, ...]``
-    tensors; index vectors and the router come with the whole layer."""
+    tensors; index vectors and the router come with the whole layer. The bank's input rotation (one
+    ``[H, H]`` for the layer, the same in every chunk) is added by the chunk holding the layer's first
+    expert (``g0 == 0``)."""
     ad = ckpt.adapter
+    rotation = f"{ad.experts_key(idx)}.rotation"
     mode = is_stock(out, ad)
     if mode:
         skip = set(ad.router_keys(idx))
@@ -290,6 +309,10 @@ def encode_chunk(
     writes = []
     for name, t in tensors.items():
         if name in skip or (t.dim() == 1 and not t.is_floating_point()):
+            continue
+        if not mode and name == rotation:
+            if g0 == 0:
+                writes.append(("add", name, t))
             continue
         e = ad.expert_of(name)
         if mode and e is not None:

@@ -238,9 +238,23 @@ def join_bank(banks: list[ExpertBank]) -> ExpertBank:
             for b in banks
         ])  # fmt: skip
     biases = join_tensors([dict(b.biases) for b in banks]) if first.biases else {}
+    # a rotation of the bank's input (codequant) is the layer's, the same in every chunk; the experts that
+    # read the unrotated input are renumbered into the layer
+    if len({(b.rotation is None, None if b.rotation is None else tuple(b.rotation.shape), b.act_bits)
+            for b in banks}) > 1:  # fmt: skip
+        raise PassError("the chunks' experts do not share one input rotation and activation quantiser")
+    unrotated, seen = set(), 0
     for b in banks:
-        if b.rotation is not None or b.act_bits is not None or b.unrotated:
-            raise PassError("rotated or activation-quantised experts cannot be held by chunks of experts")
+        unrotated |= {e + seen for e in b.unrotated}
+        seen += b.num_experts
     return ExpertBank(
-        *lays, widths=widths, biases=biases, act=first.act, alpha=first.alpha, limit=first.limit
+        *lays,
+        widths=widths,
+        biases=biases,
+        act=first.act,
+        alpha=first.alpha,
+        limit=first.limit,
+        rotation=None if first.rotation is None else torch.empty_like(first.rotation, device="meta"),
+        act_bits=first.act_bits,
+        unrotated=frozenset(unrotated),
     )

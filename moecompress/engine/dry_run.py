@@ -174,15 +174,15 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             size = chunk_plan.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit, spilled)
             if size is not None:
                 chunked[i] = size
-            if cap is not None and cap < layer.experts.num_experts and chunk_plan.chunkable(recipe, ckpt, i):
+            if cap is not None and cap < layer.experts.num_experts and chunk_plan.chunkable(recipe, ckpt, i, layer):
                 chunked[i] = min(chunked.get(i, cap), cap)  # calibration holds a chunk too
         if i in chunked:
-            chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit)
+            chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit, layer)
             peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written, spilled)
             share = stats - spilled + 2 * -(-spilled * chunked[i] // max(layer.experts.num_experts, 1))
             for e, p in zip(entries, peaks):
                 e.update(bytes=p, chunk=chunked[i], stats_bytes=share)
-        blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s) is not None), None)
+        blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s, layer) is not None), None)
         for step, e in zip(recipe.steps, entries):
             if blocked is not None:
                 e["whole_because"] = blocked  # a step that cannot run by chunks holds the layer whole

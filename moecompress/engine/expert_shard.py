@@ -41,12 +41,15 @@ STOP = -1
 def chunk_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int | None:
     """Experts per chunk of MoE layer ``idx`` in the layer loop (``None``: the layer is run whole, on
     rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / N)`` when every step
-    can run by chunks (and ``calibration.propagate`` is not ``compressed``)."""
+    can run by chunks with the whole layer's result (``Chunking.exact``) and ``calibration.propagate`` is not
+    ``compressed``."""
     if idx in ctx.expert_chunks:
         return ctx.expert_chunks[idx]
     n, e = ctx.ranks.world_size, int(ckpt.adapter.num_experts)
     if n == 1 or e < 2 or rec.calibration.propagate == "compressed" or not chunkable(rec, ckpt, idx):
         return None
+    if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
+        return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
     return -(-e // n)
 
 

@@ -88,6 +88,9 @@ class LayerStats(Mapping[str, torch.Tensor]):
     plan: Any = None
     protected: frozenset[int] = frozenset()
     step: str = "this step"
+    prelude: Any = None
+    """On a chunk of a layer held by chunks of experts, what the step's ``Chunking.prelude`` computed once
+    for the layer (made the chunk's by its ``chunk(a, b)``, if it has one); ``None`` on a whole layer."""
 
     def __post_init__(self) -> None:
         names = frozenset(self.tensors) if self.declared is None else self.declared
@@ -105,10 +108,11 @@ class LayerStats(Mapping[str, torch.Tensor]):
         step: str = "this step",
         plan: Any = None,
         protected: frozenset[int] = frozenset(),
+        prelude: Any = None,
     ) -> LayerStats:
         """The read-only view of ``available`` (a cache entry's layer) holding the statistics ``needs``
         names, with their companion tensors (``io_sample`` -> ``io_sample_x``, ``io_sample_y``)."""
-        return cls(index, available, tensor_names(needs), plan, protected, step)
+        return cls(index, available, tensor_names(needs), plan, protected, step, prelude)
 
     def _declared(self, name: str) -> None:
         if name not in self.declared:  # type: ignore[operator]
@@ -177,12 +181,29 @@ class Chunking:
     (``heapr`` ranking the neurons of a layer without a plan), with the fix. ``kind(shell, stats, cfg)``:
     for an ``expert`` step whose output layout can differ between chunks (pruning: a chunk whose experts
     all keep their width), what the whole layer becomes (``unchanged``, ``dense``, ``ragged``), from the
-    statistics alone; the chunks are written in that form."""
+    statistics alone; the chunks are written in that form.
+
+    ``refuse_layer(shell, cfg) -> reason | None``: as ``refuse``, for a configuration that cannot run by
+    chunks on this layer (``codequant`` quantising a layer's shared expert); ``shell`` may be ``meta``.
+    ``prelude(shell, stats, cfg) -> value``: for an ``expert`` step, work that depends on the layer's
+    shell and statistics but not on its routed experts (``codequant``'s rotation of the MoE input and the
+    routing of its calibration tokens), done once per layer (in
+    :func:`moecompress.engine.chunk_work.prepare`) rather than once per chunk; each chunk's step reads
+    it as ``stats.prelude``: ``value.chunk(a, b)`` when the value has such a method (experts ``[a, b)``
+    of the step's input), else ``value`` itself. A whole-layer run never calls it (``stats.prelude`` is
+    ``None``): a pass computes the same thing itself, with the same function, so that the outputs can
+    match.
+    ``exact(cfg) -> bool``: whether the chunks give the whole layer's bytes (``None``: always). Under
+    ``torchrun`` a layer is shared out by chunks only when every step is exact (``expert_chunk: N`` or
+    ``auto`` still chunks the others, by request)."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
     refuse: Callable[[Any], str | None] | None = None
     kind: Callable[[MoELayer, LayerStats, Any], str] | None = None
+    refuse_layer: Callable[[MoELayer, Any], str | None] | None = None
+    prelude: Callable[[MoELayer, LayerStats, Any], Any] | None = None
+    exact: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select"):

@@ -18,10 +18,11 @@ from moecompress.ir import MoELayer, layer_to
 
 def step_stats(
     step: Step, index: int, available: Mapping[str, torch.Tensor], *, plan: Any = None,
-    protected: frozenset[int] = frozenset(),
+    protected: frozenset[int] = frozenset(), prelude: Any = None,
 ) -> LayerStats:  # fmt: skip
     """What ``step`` may read of layer ``index``'s statistics: exactly what it declared."""
-    return LayerStats.view(index, available, step.needs, step=step.label, plan=plan, protected=protected)
+    return LayerStats.view(index, available, step.needs, step=step.label, plan=plan, protected=protected,
+                           prelude=prelude)  # fmt: skip
 
 
 def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, dict]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
-from moecompress.methods.kmeans import CHUNK_VALUES, SortedRows, kmeans_1d, nearest
+from moecompress.methods.kmeans import CHUNK_VALUES, SortedRows, expert_uniforms, kmeans_1d, nearest
 from moecompress.methods.rotation import fake_quant_tokens
 from moecompress.reference import (
     _hidden,
@@ -64,16 +64,31 @@ def decode_one(cents: torch.Tensor, codes: torch.Tensor, i: int) -> torch.Tensor
 
 
 def cluster(
-    w: torch.Tensor, bits: int, gs: int, *, iters: int, seed: int, keep_sorted: bool = False
+    w: torch.Tensor,
+    bits: int,
+    gs: int,
+    *,
+    iters: int,
+    seed: int,
+    keep_sorted: bool = False,
+    seeds: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, SortedRows]:
     """Per-group k-means (k-means++ seeded) of ``w`` ``[M, out, in]``: ``(cents [M, out, G, K], codes)``.
     Every group of every expert at once (:func:`kmeans_1d` chunks the rows to bound memory).
-    ``keep_sorted``: also the groups' :class:`SortedRows` (``reassign_rows(w, G, None)`` without a sort)."""
+    ``keep_sorted``: also the groups' :class:`SortedRows` (``reassign_rows(w, G, None)`` without a sort).
+    ``seeds``: one seed per expert (:func:`expert_seed`), so that an expert's codebooks do not depend on
+    the other experts of the call (``seed`` is then unused)."""
     m, out, inn = w.shape
     g, k = inn // gs, 1 << bits
+    u = None if seeds is None else expert_uniforms(k, out * g, seeds)
     res = kmeans_1d(w.reshape(m * out * g, gs), k, iters=iters, seed=seed, keep_sorted=keep_sorted,
-                    code_dtype=CODE_DTYPE)  # fmt: skip
+                    code_dtype=CODE_DTYPE, uniforms=u)  # fmt: skip
     return (res[0].view(m, out, g, k), res[1].view(m, out, inn), *res[2:])  # type: ignore[return-value]
+
+
+def expert_seed(seed: int, e: int) -> int:
+    """The k-means++ seed of expert ``e`` of a layer (``-1``: the shared expert) for a step's ``seed``."""
+    return seed * 1_000_003 + e + 1
 
 
 def reassign(
@@ -116,20 +131,65 @@ def channel_scale(x: torch.Tensor, act_bits: int | None) -> torch.Tensor | None:
 
 
 def gate_up_scales(
-    layer: MoELayer, x: torch.Tensor, ids: list[int], act_bits: int | None
+    layer: MoELayer, x: torch.Tensor, ids: list[int], act_bits: int | None, routing: Routing | None = None
 ) -> torch.Tensor | None:
     """``B / A`` ``[len(ids), H]`` of each physical expert's (rotated, routed) gate/up input on tokens
-    ``x`` of the layer; experts that received no token use every token."""
+    ``x`` of the layer; experts that received no token use every token. ``routing``: the tokens' routing
+    given (a chunk of a layer's experts, :class:`Routing`), else ``layer``'s router routes them."""
     if act_bits is None:
         return None
-    logical, _ = route(layer, x)
-    phys = logical if layer.expert_map is None else layer.expert_map[logical]
+    if routing is None:
+        logical, _ = route(layer, x)
+        phys = logical if layer.expert_map is None else layer.expert_map[logical]
     xin = bank_input(layer.experts, x)
     rows = []
     for e in ids:
-        tok = torch.where((phys == e).any(-1))[0]
+        tok = routing.tokens(e) if routing is not None else torch.where((phys == e).any(-1))[0]
         rows.append(channel_scale(xin[tok] if len(tok) else xin, act_bits))
     return torch.stack(rows)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which tokens reach each expert and with what weight: ``mask`` ``[E, T]`` (bool) and ``gates``
+    ``[E, T]`` (float32, 0 where not routed). What a chunk of a layer's experts is given of the layer's
+    routing (its sub-layer's router holds only its rows, so it cannot route): :meth:`of` routes on the
+    whole layer, :meth:`rows` keeps experts ``[a, b)``."""
+
+    mask: torch.Tensor
+    gates: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: MoELayer, x: torch.Tensor) -> Routing:
+        """The routing of tokens ``x`` by ``layer``'s router (logical ids; no merged experts)."""
+        ids, w = route(layer, x)
+        e, t = layer.router.num_experts, x.shape[0]
+        tok = torch.arange(t, device=ids.device)[:, None].expand_as(ids)
+        keep = ids < e  # an id past the last expert is a dropped slot
+        mask = torch.zeros(e, t, dtype=torch.bool, device=ids.device)
+        gates = torch.zeros(e, t, dtype=torch.float32, device=ids.device)
+        mask[ids[keep], tok[keep]] = True
+        gates[ids[keep], tok[keep]] = w[keep].float()
+        return cls(mask, gates)
+
+    def rows(self, a: int, b: int) -> Routing:
+        return Routing(self.mask[a:b], self.gates[a:b])
+
+    def tokens(self, e: int) -> torch.Tensor:
+        """The tokens routed to expert ``e``, ascending."""
+        return self.mask[e].nonzero()[:, 0]
+
+    def partial(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        """``Σ_e gates[e, t] · E_e(x_t)`` over ``layer``'s experts (fp32 ``[T, H]``): their part of the block's
+        output (no shared expert)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.mask.shape[0]):
+            tok = self.tokens(e)
+            if len(tok):
+                out.index_add_(
+                    0, tok, expert_forward(layer.experts, e, x[tok]).float() * self.gates[e, tok, None]
+                )
+        return out
 
 
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -155,30 +215,49 @@ class _Blocks:
     output of everything no part covers (protected experts, an unquantised shared expert) are computed
     once; a forward then runs only the quantised experts, each on its own routed tokens."""
 
-    def __init__(self, rotated: MoELayer, parts: dict[tuple[str, str], dict], x: torch.Tensor) -> None:
+    def __init__(
+        self,
+        rotated: MoELayer,
+        parts: dict[tuple[str, str], dict],
+        x: torch.Tensor,
+        routing: Routing | None = None,
+    ) -> None:
         bank = rotated.experts
-        ids, weights = route(rotated, x)
-        n_logical = bank.num_experts if rotated.expert_map is None else rotated.expert_map.numel()
-        phys = physical_ids(ids, n_logical, rotated.expert_map)
+        if routing is None:
+            ids, weights = route(rotated, x)
+            n_logical = bank.num_experts if rotated.expert_map is None else rotated.expert_map.numel()
+            phys = physical_ids(ids, n_logical, rotated.expert_map)
         routed = next((p["ids"] for (b, _), p in parts.items() if b == "experts"), [])
         self.pos = {e: i for i, e in enumerate(routed)}
         self.keys = set(parts)
         self.rotated, self.xin, self.x = rotated, bank_input(bank, x), x
         self.routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.no_grad():
-            const = torch.zeros(x.shape, dtype=torch.float32)
+
+        def each():  # (expert, its tokens ascending, their routing weights [n, 1])
+            if routing is not None:
+                for e in range(routing.mask.shape[0]):
+                    tok = routing.tokens(e)
+                    if len(tok):
+                        yield e, tok, routing.gates[e, tok, None]
+                return
             for e in torch.unique(phys).tolist():
                 if e < 0:
                     continue
                 tok, slot = torch.where(phys == e)
-                w = weights[tok, slot, None].float()
+                yield e, tok, weights[tok, slot, None].float()
+
+        with torch.no_grad():
+            const = torch.zeros(x.shape, dtype=torch.float32)
+            for e, tok, w in each():
                 if e in self.pos:
                     self.routes[e] = (tok, w)
                 else:
                     const.index_add_(0, tok, expert_forward(bank, e, x[tok]).float() * w)
             self.shared_gate = None
             self.shared = rotated.shared is not None and any(b == "shared" for b, _ in parts)
-            if rotated.shared is not None and not self.shared:
+            if routing is not None:  # a chunk's experts: their part of the output only (no shared expert)
+                pass
+            elif rotated.shared is not None and not self.shared:
                 const += shared_forward(rotated, x)
             elif self.shared and rotated.shared_gate is not None:
                 self.shared_gate = torch.sigmoid(F.linear(x.float(), rotated.shared_gate.float()))
@@ -302,6 +381,7 @@ def finetune(
     steps: int,
     lr: float,
     kl_weight: float,
+    routing: tuple[Routing, Routing] | None = None,
 ) -> dict:
     """Centroid fine-tuning (CodeQuant ACCF): Adam on the centroids of ``parts`` (``{(bank, proj): {"w":
     the (rotated) weights [M, out, in] of experts "ids" cut to "live" neurons, "cents", "codes", "scale"
@@ -317,11 +397,21 @@ def finetune(
     into its centroids
     (``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``); one reassignment of every weight; a validation forward.
     The router KL is a constant (the router and its input do not depend on the centroids: exactly 0 for
-    codequant, which never changes them), so it is computed once."""
+    codequant, which never changes them), so it is computed once.
+
+    ``routing`` (the fit and validation tokens' :class:`Routing`): ``layer`` is a chunk of a layer's
+    experts, which minimises the error of its own experts' part of the block's output (``Σ_{e in chunk}``;
+    the terms between its experts and the other chunks' are dropped), relative to that part's norm; the
+    router KL is 0."""
     with torch.no_grad():
-        y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
-        kl_const = float(router_kl(layer, rotated, x_fit)) if kl_weight else 0.0
-    fit, val = _Blocks(rotated, parts, x_fit), _Blocks(rotated, parts, x_val)
+        if routing is None:
+            y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
+            kl_const = float(router_kl(layer, rotated, x_fit)) if kl_weight else 0.0
+        else:
+            y_fit, y_val = routing[0].partial(layer, x_fit), routing[1].partial(layer, x_val)
+            kl_const = 0.0
+    fit = _Blocks(rotated, parts, x_fit, None if routing is None else routing[0])
+    val = _Blocks(rotated, parts, x_val, None if routing is None else routing[1])
 
     def val_error(cents, codes) -> float:
         with torch.no_grad():

@@ -205,6 +205,7 @@ def _lloyd(
 def kmeans_1d(
     values: torch.Tensor, k: int, *, iters: int = 300, tol: float = 1e-6, seed: int = 42,
     chunk_values: int = CHUNK_VALUES, keep_sorted: bool = False, code_dtype: torch.dtype = torch.int64,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, SortedRows]:  # fmt: skip
     """Scalar k-means of every row of ``values`` ``[N, n]`` into ``k`` centroids: k-means++ seeding
     (D² sampling driven by uniforms from a CPU generator seeded with ``seed``, one set per row, so the
@@ -213,10 +214,17 @@ def kmeans_1d(
     Rows are processed ``chunk_values // n`` at a time (bounded memory), in float64, on ``values``'
     device. Returns ``(centroids [N, k] ascending, assignment [N, n] of code_dtype)``. A row with at most ``k``
     distinct values is reproduced exactly. ``keep_sorted``: also return the rows' :class:`SortedRows`
-    (the sort the Lloyd steps made, kept in ``values``' dtype: no second sort for a reassignment)."""
+    (the sort the Lloyd steps made, kept in ``values``' dtype: no second sort for a reassignment).
+    ``uniforms``: the seeding's uniforms ``[k, N]`` (float64) instead of ``seed``'s (a caller whose rows
+    must not depend on which other rows share the call: :func:`expert_uniforms`)."""
     n_rows, n = values.shape
     dev = values.device
-    u = torch.rand(k, n_rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
+    if uniforms is not None:
+        if tuple(uniforms.shape) != (k, n_rows):
+            raise ValueError(f"kmeans_1d: uniforms {tuple(uniforms.shape)} != ({k}, {n_rows})")
+        u = uniforms.to(dev, torch.float64)
+    else:
+        u = torch.rand(k, n_rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
     cents = torch.empty(n_rows, k, dtype=values.dtype, device=dev)
     codes = torch.empty(n_rows, n, dtype=code_dtype, device=dev)
     step = max(1, chunk_values // max(n, 1))
@@ -237,3 +245,13 @@ def kmeans_1d(
     if keep_sorted:
         return cents, codes, SortedRows.presorted(sv_all, perm_all, chunk_values, code_dtype)
     return cents, codes
+
+
+def expert_uniforms(k: int, rows: int, seeds: list[int]) -> torch.Tensor:
+    """k-means++ uniforms ``[k, len(seeds) * rows]`` for ``rows`` rows of each of several experts, each
+    expert's from its own generator (``seeds``): an expert's k-means does not depend on which experts
+    share the call (a whole layer, or a chunk of its experts)."""
+    if not seeds:
+        return torch.empty(k, 0, dtype=torch.float64)
+    return torch.cat([torch.rand(k, rows, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                      for s in seeds], 1)  # fmt: skip

@@ -39,6 +39,20 @@ too and joins the fine-tuning, but reads the unrotated input without activation 
 ``H × H`` rotation per layer would cost more than it saves; ``shared: false`` keeps it dense). Input
 must be dense or uniformly pruned (quantise last; prune with ``layout: uniform`` before).
 
+**By chunks of experts** (``expert_chunk: N`` or ``auto``, a layer larger than memory): the rotation is a
+function of the layer's calibration inputs only, so it is computed once per layer (:func:`prelude`, the
+same :func:`_rotation` a whole layer runs: the same tensor) and applied to every chunk, with the whole
+router's routing of the calibration tokens (a chunk's router holds only its rows). Each expert's k-means++
+seeds come from its id in the layer (:func:`~moecompress.methods.codebooks.expert_seed`), so with
+``finetune_steps: 0`` the output is byte-identical to the whole layer's. The fine-tuning of a chunk
+minimises the error of *its own experts' part* of the block output, relative to that part's norm: the
+cross terms between its experts' errors and the other chunks' (not held) are dropped, and each chunk keeps
+its own best step (``best_step_per_chunk``, ``val_error_*_per_chunk`` in the report); the router KL is 0
+as on a whole layer. ``shared: true`` on a layer with a shared expert is refused in the dry run (a chunk
+cannot change the shared expert, which the fine-tuning fits with every routed expert): set ``shared:
+false`` to keep it dense. Under ``torchrun`` a fine-tuned layer runs whole on rank 0 (not byte-identical
+by chunks) unless ``expert_chunk`` asks for chunks.
+
 Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
 than 512 tokens). Cost per layer: the rotation (``rotation_steps`` Cayley steps, one ``H × H`` LU each), k-means
 of every row (``E·(2I + H)`` rows, sorted once: the sort also serves every reassignment), and per
@@ -69,14 +83,22 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
 from moecompress.errors import PassError
 from moecompress.ir import MoELayer
 from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.codebook import Codebook
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
-from moecompress.methods.codebooks import cluster, finetune, gate_up_scales, reassign, rotate_bank
+from moecompress.methods.codebooks import (
+    Routing,
+    cluster,
+    expert_seed,
+    finetune,
+    gate_up_scales,
+    reassign,
+    rotate_bank,
+)
 from moecompress.methods.kmeans import CHUNK_VALUES
 from moecompress.methods.rotation import hadamard, learn_rotation, quant_error
 from moecompress.passes.neuron_pruning import one_width_members
@@ -184,6 +206,71 @@ def _rotation(layer: MoELayer, x: torch.Tensor, cfg: CodequantConfig, info: dict
     return r
 
 
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fit tokens (the first 3/4) and the validation tokens (the rest; all when there is no rest)."""
+    n_fit = max(1, (3 * x.shape[0]) // 4)
+    return x[:n_fit], x[n_fit:] if x.shape[0] > n_fit else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Prelude:
+    """What a layer held by chunks of experts computes once for every chunk (:func:`prelude`): the
+    rotation (``None``: none) and its report, the whole layer's routing of the fit and validation tokens,
+    and (:meth:`chunk`) the id of the chunk's first expert in the layer."""
+
+    rotation: torch.Tensor | None
+    info: dict
+    fit: Routing
+    val: Routing
+    first: int = 0
+
+    def chunk(self, a: int, b: int) -> Prelude:
+        return dataclasses.replace(self, fit=self.fit.rows(a, b), val=self.val.rows(a, b), first=a)
+
+
+def prelude(shell: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> Prelude:
+    """A layer held by chunks of experts: the rotation of its MoE input (a function of the calibration
+    inputs only, learned once per layer: the same :func:`_rotation` a whole layer computes) and the
+    routing of the calibration tokens by the whole router (a chunk's router holds only its rows)."""
+    x_fit, x_val = _split(stats["io_sample_x"].float())
+    info: dict = {}
+    r = _rotation(shell, x_fit, cfg, info)
+    return Prelude(r, info, Routing.of(shell, x_fit), Routing.of(shell, x_val))
+
+
+def refuse_shared(shell: MoELayer, cfg: CodequantConfig) -> str | None:
+    """By chunks of experts the shared expert cannot be changed (it is fine-tuned with every expert)."""
+    if cfg.shared and shell.shared is not None:
+        return ("quantises the shared expert (shared: true), which a layer held by chunks of experts cannot "
+                "change; set shared: false to keep it dense")  # fmt: skip
+    return None
+
+
+def merge_codequant(infos: list[dict], bnds: list[tuple[int, int]], cfg: CodequantConfig) -> dict:
+    """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``): the protected ids in the layer's
+    numbering, bytes and counts summed (the rotation once), the rotation's report (the layer's, the same
+    in every chunk), each chunk's own errors and best step listed (``*_per_chunk``), their means weighted
+    by the chunks' quantised experts, and ``best_step`` the largest."""
+    first = infos[0]
+    out: dict = {"protected": shifted_ids(infos, bnds, "protected"), "bits": first["bits"]}
+    out.update({k: v for k, v in first.items() if k == "rotation" or k.startswith("act_error")
+                or k == "rotation_loss_first_last"})  # fmt: skip
+    for key in ("bytes_before", "bytes_after", "routed_params", "quantised_experts"):
+        out[key] = sum(i[key] for i in infos)
+    out["bytes_after"] += first.get("rotation_bytes", 0)
+    out["bytes_per_param"] = out["bytes_after"] / out["routed_params"] if out["routed_params"] else 0.0
+    n = [i["quantised_experts"] for i in infos]
+    for key in ("val_error_kmeans", "val_error_final", "fit_loss_first", "fit_loss_last"):
+        vals = [i.get(key) for i in infos]
+        out[f"{key}_per_chunk"] = vals
+        pairs = [(v, k) for v, k in zip(vals, n) if v is not None and k]
+        out[key] = sum(v * k for v, k in pairs) / sum(k for _, k in pairs) if pairs else None
+    out["best_step_per_chunk"] = [i.get("best_step") for i in infos]
+    out["best_step"] = max((i.get("best_step") or 0 for i, k in zip(infos, n) if k), default=0)
+    out["router_kl"] = 0.0
+    return out
+
+
 def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
     """Step summary: bytes and bytes per routed-expert parameter, errors per layer."""
     layers = sorted(infos)
@@ -271,39 +358,62 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     """Rotation + per-row codebook quantisation of the routed experts (CodeQuant)."""
     _check(layer, cfg)
     bank = layer.experts
-    x = stats["io_sample_x"].float()
-    n_fit = max(1, (3 * x.shape[0]) // 4)
-    x_fit, x_val = x[:n_fit], x[n_fit:] if x.shape[0] > n_fit else x
+    x_fit, x_val = _split(stats["io_sample_x"].float())
     ids, protected, live = _members(layer, cfg)
     info: dict = {"protected": sorted(protected), "bits": cfg.bits, "bytes_before": bank.nbytes()}
-    r = _rotation(layer, x_fit, cfg, info)
+    pre: Prelude | None = stats.prelude  # a chunk of a layer held by chunks of experts
+    if pre is None:
+        r, first = _rotation(layer, x_fit, cfg, info), 0
+    else:
+        why = refuse_shared(layer, cfg)
+        if why is not None:
+            raise PassError(why)
+        r, first = pre.rotation, pre.first
+        info.update(pre.info)
     rotated = layer if r is None else layer.replace(experts=rotate_bank(bank, r, protected))
     if cfg.eval_act_bits is not None:
         rotated = rotated.replace(experts=dataclasses.replace(rotated.experts, act_bits=cfg.eval_act_bits))
-    gate_up_scale = gate_up_scales(rotated, x_fit, ids, cfg.eval_act_bits)  # B/A, once for gate and up
+    routing = None if pre is None else (pre.fit, pre.val)
+    gate_up_scale = gate_up_scales(  # B/A, once for gate and up
+        rotated, x_fit, ids, cfg.eval_act_bits, None if pre is None else pre.fit
+    )
     parts = {}
     for bank_name, name in _targets(layer, cfg):
         src = getattr(rotated, bank_name)
         part = {"proj": name, "ids": ids, "live": live} if bank_name == "experts" else {
             "proj": name, "ids": [0], "live": src.width}  # fmt: skip
+        # each expert's k-means++ seeds from its id in the layer: a chunk's codebooks are the whole layer's
+        seeds = (
+            [expert_seed(cfg.seed, first + e) for e in ids]
+            if bank_name == "experts"
+            else [expert_seed(cfg.seed, -1)]
+        )
         w = getattr(src, name).dense()
-        w = w[torch.tensor(part["ids"])].float()
+        w = w[torch.tensor(part["ids"], dtype=torch.long)].float()
         w = w[:, :, : part["live"]] if name == "down" else w[:, : part["live"]]  # pruned: live part only
         gs = w.shape[2] if cfg.group == -1 else cfg.group
         scale = gate_up_scale if bank_name == "experts" and name != "down" else None
         keep = bool(cfg.finetune_steps) and scale is None  # the k-means sort serves the reassignments
         cents, codes, *rows = cluster(
-            w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed, keep_sorted=keep
+            w, cfg.bits, gs, iters=cfg.kmeans_iters, seed=cfg.seed, keep_sorted=keep, seeds=seeds
         )
         if scale is not None:
             codes = reassign(w, cents, scale)
         parts[bank_name, name] = {**part, "w": w, "cents": cents, "codes": codes, "scale": scale}
         if rows:
             parts[bank_name, name]["rows"] = rows[0]
-    steps = cfg.finetune_steps if parts and (ids or layer.shared is not None) else 0
+    steps = cfg.finetune_steps if ids or any(b == "shared" for b, _ in parts) else 0
     info.update(
         finetune(
-            layer, rotated, parts, x_fit, x_val, steps=steps, lr=cfg.finetune_lr, kl_weight=cfg.kl_weight
+            layer,
+            rotated,
+            parts,
+            x_fit,
+            x_val,
+            steps=steps,
+            lr=cfg.finetune_lr,
+            kl_weight=cfg.kl_weight,
+            routing=routing,
         )
     )
     new: dict[str, dict] = {"experts": {}, "shared": {}}
@@ -317,6 +427,9 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
     shared = rotated.shared if not new["shared"] else dataclasses.replace(rotated.shared, **new["shared"])
     logical = 3 * bank.num_experts * bank.width * bank.hidden_size
     info.update(bytes_after=out_bank.nbytes(), routed_params=logical, quantised_experts=len(ids))
+    if pre is not None and r is not None:  # the layer's rotation, counted once by merge_codequant
+        info["rotation_bytes"] = out_bank.rotation.nbytes  # type: ignore[union-attr]
+        info["bytes_after"] -= info["rotation_bytes"]
     info["bytes_per_param"] = info["bytes_after"] / logical
     if layer.shared is not None:
         info.update(shared_bytes_before=layer.shared.nbytes(), shared_bytes_after=shared.nbytes())  # type: ignore[union-attr]
@@ -327,4 +440,8 @@ SPEC = PassSpec(
     "codequant", CodequantConfig, codequant, needs={"io_sample"}, emits=_emits, check=_check,
     summarize=summarize_codequant, workspace=_workspace,
     alters=lambda cfg: {"weights", "shared"} if cfg.shared else {"weights"},
+    chunking=Chunking(
+        "expert", merge=merge_codequant, refuse_layer=refuse_shared, prelude=prelude,
+        exact=lambda cfg: cfg.finetune_steps == 0,  # fine-tuned by chunks: each chunk's own error
+    ),
 )  # fmt: skip
