@@ -79,6 +79,8 @@ def test_kmeans_only_by_chunks_equals_the_whole_layer(tmp_path, model_type, extr
         for ra, rb in zip(_rows(tmp_path / "whole"), _rows(out), strict=True):
             for k in ("layer", "params_before", "params_after", "bytes_before", "bytes_after", "changed"):
                 assert ra[k] == rb[k], k
+            for k in ("rel_error", "massive_ratio"):  # the held-back error: summed over chunks
+                assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), k
             ia, ib = ra["info"], rb["info"]
             for k in ("protected", "bits", "bytes_before", "bytes_after", "routed_params", "quantised_experts",
                       "bytes_per_param", "rotation", "best_step", "router_kl"):  # fmt: skip
