@@ -250,3 +250,22 @@ def test_recipe_errors_and_needs(tiny_qwen, tmp_path):
         mc.apply({**rec, "steps": [{"gptq": {"group_size": 48}}]}, dry_run=True)
     assert not (tmp_path / "o").exists()
     assert BUILTIN_PASSES["gptq"].needs_for(GptqConfig()) == {"expert_in_cov", "down_in_cov"}
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_shared_hessian_factor_gives_the_same_codes(act_order):
+    """gate and up read one Hessian: its factor, computed once (``hessian_factor``), gives the bits of
+    computing it inside ``gptq_quantize``; ``output_errors`` (float32 products) agrees with float64."""
+    from moecompress.methods.gptq import hessian_factor, output_errors
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(200, 64, generator=g), torch.randn(40, 64, generator=g)
+    h = x.T @ x / 200
+    want = gptq_quantize(w, h, 4, 16, False, act_order, 0.01, 128, static_groups=act_order)
+    got = gptq_quantize(w, h, 4, 16, False, act_order, 0.01, 128, static_groups=act_order,
+                        factor=hessian_factor(h, 0.01, act_order))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(want, got) if a is not None)
+    w_hat = w + 0.01 * torch.randn(w.shape, generator=g)
+    d, hd = (w - w_hat).double(), h.double()
+    exact = float(((d @ hd) * d).sum() / ((w.double() @ hd) * w.double()).sum())
+    assert output_errors(w, [w_hat, w], h) == [pytest.approx(exact, rel=64 * torch.finfo(torch.float32).eps), 0.0]

@@ -55,7 +55,7 @@ from moecompress.layouts.bitpack import pack_bits, packed_size
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.rtn import RTN
-from moecompress.methods.gptq import gptq_quantize, output_error
+from moecompress.methods.gptq import gptq_quantize, hessian_factor, output_errors
 from moecompress.methods.scalar_quant import dequantize, quantize
 from moecompress.passes.rtn import (
     PROJ,
@@ -118,31 +118,37 @@ def gptq(layer: MoELayer, stats: LayerStats, cfg: GptqConfig) -> tuple[MoELayer,
     todo = [e for e in range(n) if e not in protected]
     gs = group_size(layer, cfg)
     new, errors, out_err, rtn_err, fallback, params = {}, {}, {}, {}, set(), 0
-    for name in PROJ:
-        w = getattr(bank, name).dense()
-        hs = _hessians(layer, stats, name)
-        _, out, inn = w.shape
-        codes, scales, zeros, rel, oerr, rerr = [], [], [], [], [], []
-        for e in todo:
-            we, he = w[e].float(), hs[e].float()
+    dense = {name: getattr(bank, name).dense() for name in PROJ}
+    hess = {name: _hessians(layer, stats, name) for name in PROJ}
+    parts: dict[str, dict[str, list]] = {name: {k: [] for k in ("q", "s", "z", "rel", "o", "r")} for name in PROJ}
+    for e in todo:  # experts outer: gate and up read the same Hessian and share its factor
+        factors: dict[str, tuple] = {}
+        for name in PROJ:
+            we, he, acc = dense[name][e].float(), hess[name][e].float(), parts[name]
             rq, rs, rz = quantize(we, cfg.bits, gs, cfg.symmetric)
             if not bool(he.diagonal().gt(0).any()):  # no calibration token reached this expert
                 q, s, z = rq, rs, rz
                 fallback.add(e)
             else:
                 try:
-                    q, s, z = gptq_quantize(
-                        we, he, cfg.bits, gs, cfg.symmetric, cfg.act_order, cfg.damp, cfg.block
-                    )
+                    if HESSIAN[name] not in factors:
+                        factors[HESSIAN[name]] = hessian_factor(he, cfg.damp, cfg.act_order)
+                    q, s, z = gptq_quantize(we, he, cfg.bits, gs, cfg.symmetric, cfg.act_order, cfg.damp, cfg.block,
+                                            factor=factors[HESSIAN[name]])  # fmt: skip
                 except MethodError as err:
                     raise PassError(f"layer {layer.index} expert {e} {name}: {err}") from None
             deq = dequantize(q, s, z, cfg.bits)
-            rel.append(float((deq - we).norm() / we.norm().clamp_min(1e-30)))
-            oerr.append(output_error(we, deq, he))
-            rerr.append(output_error(we, dequantize(rq, rs, rz, cfg.bits), he))
-            codes.append(pack_bits(q, cfg.bits))
-            scales.append(s)
-            zeros.append(z)
+            acc["rel"].append(float((deq - we).norm() / we.norm().clamp_min(1e-30)))
+            o, r = output_errors(we, [deq, dequantize(rq, rs, rz, cfg.bits)], he)
+            acc["o"].append(o)
+            acc["r"].append(r)
+            acc["q"].append(pack_bits(q, cfg.bits))
+            acc["s"].append(s)
+            acc["z"].append(z)
+    for name in PROJ:
+        w, acc = dense[name], parts[name]
+        _, out, inn = w.shape
+        codes, scales, zeros, rel, oerr, rerr = acc["q"], acc["s"], acc["z"], acc["rel"], acc["o"], acc["r"]
         members = torch.full((n,), -1, dtype=torch.int64)
         members[todo] = torch.arange(len(todo))
         g = inn // (inn if gs == -1 else gs)
