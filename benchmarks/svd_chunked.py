@@ -1,11 +1,17 @@
-"""``svd_experts`` by chunks of experts (issue 37): held-out KL to the base model of ``svd_experts {ratio: 0.4}``
-run on whole layers and on layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for
-``ranks: balanced`` (each chunk spends its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical).
+"""A step by chunks of experts (issue 37): held-out KL to the base model of a step run on whole layers and on
+layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for each of the step's variants:
+
+- ``--step svd_experts`` (default): ``svd_experts {ratio: 0.4}`` with ``ranks: balanced`` (each chunk spends
+  its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical);
+- ``--step codequant``: ``codequant {bits: 4}`` with the default fine-tuning (each chunk fitted on its own
+  experts' part of the block output) and with ``finetune_steps: 0`` (k-means only, byte-identical).
+
 Calibration, evaluation (the last 2 % of every corpus file held out) and expert bytes as in
 ``benchmarks/chain_quality.py`` (its ``expert_bytes``).
 
-    OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--shared /work/shared] [--models ref-qwen3moe
-        ref-mixtral] [--samples 64] [--holdout 8] [--seq-len 256] [--eval-tokens 16384] [--json PATH]
+    OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--step svd_experts|codequant] [--shared /work/shared]
+        [--models ref-qwen3moe ref-mixtral] [--samples 64] [--holdout 8] [--seq-len 256] [--eval-tokens 16384]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,11 +38,41 @@ def digest(d: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _rank_totals(rep: dict) -> dict:
+    return {"total_rank": {p: sum(sum(r for r in row["info"]["ranks"][p] if r is not None) for row in rep["layers"])
+                           for p in ("gate", "up", "down")},
+            "decomposed_fraction_removed": rep["summary"]["decomposed_fraction_removed"]}  # fmt: skip
+
+
+def _codequant_errors(rep: dict) -> dict:
+    per = rep["summary"]["per_layer"]
+    mean = {k: sum(v.get(k) or 0.0 for v in per.values()) / max(len(per), 1)
+            for k in ("val_error_kmeans", "val_error_final")}  # fmt: skip
+    return {**{f"mean_{k}": v for k, v in mean.items()}, "best_steps": [v.get("best_step") for v in per.values()],
+            "routed_bits_per_param": rep["summary"]["routed_bits_per_param"]}  # fmt: skip
+
+
+# step -> (variant -> step config, the variant's key in the table, extra report columns)
+STEPS = {
+    "svd_experts": (
+        lambda args: {r: {"svd_experts": {"ratio": args.ratio, "ranks": r}} for r in ("balanced", "uniform")},
+        "ranks", _rank_totals,
+    ),
+    "codequant": (
+        lambda args: {"finetune": {"codequant": {"bits": args.bits}},
+                      "kmeans": {"codequant": {"bits": args.bits, "finetune_steps": 0}}},
+        "variant", _codequant_errors,
+    ),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--ratio", type=float, default=0.4)
+    ap.add_argument("--step", choices=sorted(STEPS), default="svd_experts")
+    ap.add_argument("--ratio", type=float, default=0.4, help="svd_experts: the ratio")
+    ap.add_argument("--bits", type=int, default=4, help="codequant: the bits")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--holdout", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -52,7 +88,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     data = Path(args.shared) / "data"
     corpus = sorted(str(p) for p in (data / "corpus").glob("*.txt"))
-    work = Path(tempfile.mkdtemp(prefix="svd-chunked-"))
+    work = Path(tempfile.mkdtemp(prefix=f"{args.step}-chunked-"))
+    variants, key, extra = STEPS[args.step]
     ev = {"texts": corpus, "max_tokens": args.eval_tokens, "seq_len": args.seq_len}
     source = "file:" + ",".join(corpus)
     results: dict = {"args": vars(args), "models": {}}
@@ -65,10 +102,10 @@ def main() -> None:
                "holdout": args.holdout, "batch_size": 8, "cache_dir": str(work / f"{name}-cache")}  # fmt: skip
         base = mc.load(model)
         res = {"experts": e, "chunk": chunk, "base_expert_bytes": expert_bytes(model), "rows": {}}
-        for ranks in ("balanced", "uniform"):
+        for ranks, step in variants(args).items():
             for label, ec in (("whole", "off"), (f"chunk{chunk}", chunk)):
                 out = work / f"{name}-{ranks}-{label}"
-                steps = [{"svd_experts": {"ratio": args.ratio, "ranks": ranks}}]
+                steps = [step]
                 t0 = time.perf_counter()
                 mc.apply({"model": str(model), "output": str(out), "calibration": cal, "steps": steps,
                           "expert_chunk": ec}, progress=False, overwrite=True)  # fmt: skip
@@ -76,16 +113,15 @@ def main() -> None:
                 rep = json.loads(next((out / "steps").glob("*/report.json")).read_text())
                 t1 = time.perf_counter()
                 ev_out = mc.evaluate(out, against=base, **ev)
-                row = {"ranks": ranks, "expert_chunk": ec, "expert_bytes": expert_bytes(out), "kl": ev_out["kl"],
-                       "perplexity": ev_out["perplexity"], "base_perplexity": ev_out["base_perplexity"],
-                       "top1_agreement": ev_out["top1_agreement"], "wall_s": wall,
-                       "eval_s": time.perf_counter() - t1, "sha256_16": digest(out),
-                       "total_rank": {p: sum(sum(r for r in row["info"]["ranks"][p] if r is not None)
-                                             for row in rep["layers"]) for p in ("gate", "up", "down")},
-                       "decomposed_fraction_removed": rep["summary"]["decomposed_fraction_removed"]}  # fmt: skip
+                row = {key: ranks, "step": step, "expert_chunk": ec, "expert_bytes": expert_bytes(out),
+                       "kl": ev_out["kl"], "perplexity": ev_out["perplexity"],
+                       "base_perplexity": ev_out["base_perplexity"], "top1_agreement": ev_out["top1_agreement"],
+                       "wall_s": wall, "eval_s": time.perf_counter() - t1, "sha256_16": digest(out),
+                       **extra(rep)}  # fmt: skip
                 res["rows"][f"{ranks}-{label}"] = row
+                more = {k: v for k, v in row.items() if k in ("total_rank", "mean_val_error_final", "best_steps")}
                 print(f"{name} {ranks} {label}: {row['expert_bytes']} B, KL {row['kl']:.5f}, ppl "
-                      f"{row['perplexity']:.3f}, ranks {row['total_rank']}, {wall:.1f} s + eval "
+                      f"{row['perplexity']:.3f}, {more}, {wall:.1f} s + eval "
                       f"{row['eval_s']:.1f} s, sha {row['sha256_16']}", flush=True)  # fmt: skip
                 shutil.rmtree(out, ignore_errors=True)
         results["models"][name] = res
@@ -93,15 +129,17 @@ def main() -> None:
     for name, res in results["models"].items():
         print(f"\n**{name}** ({res['experts']} experts, chunks of {res['chunk']}; base expert bytes "
               f"{res['base_expert_bytes']:,})\n")  # fmt: skip
-        print(
-            "| ranks | layer held | expert bytes | total rank gate/up/down | KL to base | held-out ppl | sha256[:16] |"
-        )
-        print("|---|---|---:|---|---:|---:|---|")
+        col = "total rank gate/up/down" if args.step == "svd_experts" else "mean val error (layer / chunk part)"
+        print(f"| {key} | layer held | expert bytes | {col} | KL to base | held-out ppl | top-1 agree | s | sha256[:16] |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---|")
         for r in res["rows"].values():
-            tr = "/".join(str(r["total_rank"][p]) for p in ("gate", "up", "down"))
+            if args.step == "svd_experts":
+                tr = "/".join(str(r["total_rank"][p]) for p in ("gate", "up", "down"))
+            else:
+                tr = f"{r['mean_val_error_final']:.4f}"
             held = "whole" if r["expert_chunk"] == "off" else f"chunks of {r['expert_chunk']}"
-            print(f"| {r['ranks']} | {held} | {r['expert_bytes']:,} | {tr} | {r['kl']:.5f} | {r['perplexity']:.3f} | "
-                  f"`{r['sha256_16']}` |")  # fmt: skip
+            print(f"| {r[key]} | {held} | {r['expert_bytes']:,} | {tr} | {r['kl']:.5f} | {r['perplexity']:.3f} | "
+                  f"{r['top1_agreement']:.4f} | {r['wall_s']:.1f} | `{r['sha256_16']}` |")  # fmt: skip
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
