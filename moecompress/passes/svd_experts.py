@@ -224,5 +224,5 @@ SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
     on_device=True, workspace=_workspace, alters=frozenset({"weights"}),
-    chunking=Chunking("expert", merge=merge_svd),  # pooled whiteners: per expert, the layer by chunks
+    chunking=Chunking("expert", merge=merge_svd, exact=lambda cfg: cfg.ranks == "uniform"),  # pooled whiteners: per expert
 )  # fmt: skip
