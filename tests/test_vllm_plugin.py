@@ -27,6 +27,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODELS = ROOT.parent / "shared" / "data" / "models"
 PROMPTS = [[3 + i, 10 + 3 * i, 20 + 2 * i, 5, 7 + i, 40 + i] for i in range(8)]
 NEW_TOKENS = 32
 LOGPROB_TOL = 1e-4
@@ -59,6 +60,12 @@ LAYOUTS = {
 CASES = [("qwen3_moe", name) for name in sorted(LAYOUTS)] + [
     ("mixtral", "heapr-ragged"),  # vLLM names Mixtral's block block_sparse_moe: the names are mapped
     ("mixtral", "rtn4-protected"),
+]
+# The reference models of ../shared (trained, so routing is not random): every layout on ref-qwen3moe,
+# two on ref-mixtral; skipped where ../shared is absent.
+SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
+    ("ref-mixtral", "heapr-ragged"),
+    ("ref-mixtral", "codequant4-rotated"),
 ]
 
 
@@ -205,16 +212,21 @@ def outputs(tmp_path_factory):
 
     def make(model_type: str, name: str | None = None) -> Path:
         base = root / model_type
-        if not (base / "m").exists():
+        ref = SHARED_MODELS / model_type
+        if model_type.startswith("ref-"):  # a reference model of ../shared (skips without it)
+            if not (ref / "config.json").exists():
+                pytest.skip(f"../shared reference model {model_type} is absent")
+        elif not (base / "m").exists():
             # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16 (the default tiny config's);
             # DeepSeek's MLA derives its head sizes (only its refusal is tested)
             heads = {} if model_type.startswith("deepseek") else {"head_dim": 32}
             save_tiny(model_type, base / "m", max_position_embeddings=128, **heads)
+        model = ref if model_type.startswith("ref-") else base / "m"
         if name is None:
-            return base / "m"
+            return model
         if not (base / name).exists():
             recipe = {
-                "model": str(base / "m"),
+                "model": str(model),
                 "output": str(base / name),
                 "calibration": {"source": "random", "samples": 8, "seq_len": 16},
                 "steps": LAYOUTS[name],
@@ -227,7 +239,9 @@ def outputs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compile"])
-@pytest.mark.parametrize(("model_type", "name"), CASES)
+@pytest.mark.parametrize(
+    ("model_type", "name"), CASES + [pytest.param(*c, marks=pytest.mark.shared) for c in SHARED_CASES]
+)
 def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode):
     path = outputs(model_type, name)
     cfg = json.loads((path / "config.json").read_text())
