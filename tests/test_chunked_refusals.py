@@ -28,7 +28,6 @@ def _plan(model, tmp_path, steps, chunk, **cal):
 @pytest.mark.parametrize(
     "step",
     [
-        {"tdmoe": {}},
         {"namex": {"ratio": 0.25}},
         {"merge_experts": {"ratio": 0.25}},
     ],
@@ -85,8 +84,9 @@ def test_auto_chunks_only_what_does_not_fit(model, tmp_path):
 
 
 def test_auto_leaves_a_layer_whole_when_a_step_cannot_chunk(model, tmp_path):
-    whole = _plan(model, tmp_path, [{"tdmoe": {}}], "off")["step_memory"]["step 1 (tdmoe)"]["bytes"]
+    step = {"namex": {"ratio": 0.25}}
+    whole = _plan(model, tmp_path, [step], "off")["step_memory"]["step 1 (namex)"]["bytes"]
     with pytest.raises(
-        RecipeError, match=r"tdmoe\) needs every expert of the layer at once, so the layer is held whole"
+        RecipeError, match=r"namex\) needs every expert of the layer at once, so the layer is held whole"
     ):
-        _plan(model, tmp_path, [{"tdmoe": {}}], "auto", memory_limit=whole - 1)
+        _plan(model, tmp_path, [step], "auto", memory_limit=whole - 1)

@@ -42,7 +42,7 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
     """MoE layer ``idx`` of ``run`` by chunks of ``size`` experts (module docstring)."""
     steps = run.rec.steps
     plans = [run.plans.get(s.number, {}).get(idx) for s in steps]
-    lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx)
+    lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
     shell0, shells, kept_of, infos, secs, err = lp.shells[0], lp.shells, lp.kept_of, lp.infos, lp.secs, lp.err
     raw = _raw_writes(run, idx, steps, shells, kept_of)
     for s, writes in raw.items():

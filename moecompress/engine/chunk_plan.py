@@ -59,6 +59,8 @@ def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None =
     ``layer``: its shapes (read from the shard headers when not given)."""
     if i in ckpt.layouts or follow.required(recipe.steps, recipe.recalibrates):
         return False
+    if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None:
+        return False
     if any(refusal(s) is not None for s in recipe.steps):
         return False
     if any(s.spec.chunking.refuse_layer is not None for s in recipe.steps):
@@ -128,7 +130,11 @@ def chunk_peaks(
                 after = step.spec.emitted(before, step.config)
             except MoecompressError:  # a shape rule meant for a whole layer: the chunk as an upper bound
                 after = before
-        work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
+        chunking = step.spec.chunking
+        if chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
+            work = chunking.workspace(before, step.config)
+        else:
+            work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
         peak = resources.step_peak(before, after, dtype, stats, work, first=k == 0, written=step in written)
         out.append(peak + rest + sums)
         before = after
@@ -160,6 +166,14 @@ def check_chunked(
     """Refuse, in one line naming the step and the layer, a step that cannot run on layer ``i`` (shapes:
     ``layer``) held by chunks of ``n`` experts, or a propagation of the compressed layers."""
     how = f"expert_chunk: {recipe.expert_chunk} holds it by chunks of {n} experts"
+    both = follow.gather_conflict(recipe.steps, recipe.recalibrates)
+    if both is not None:
+        earlier, step = both
+        raise RecipeError(
+            f"{step.label}, layer {i}: fits what every expert shares over all the chunks before it projects each, so "
+            f"{earlier.label} would have to run twice on every chunk, but {how}; set calibration.recalibrate: auto "
+            f"(a new segment from {step.spec.name}), run them as two recipes, or set expert_chunk: off"
+        )
     if follow.required(recipe.steps, recipe.recalibrates):
         raise RecipeError(
             f"layer {i}: a later step reads statistics that an earlier step changes, which follow the layer only "

@@ -26,6 +26,7 @@ from moecompress.calibration.cache import ExpertRows, load_layer
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
+from moecompress.engine.resources import release_freed
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.errors import MoecompressError, PassError
 from moecompress.io.checkpoint import Checkpoint
@@ -186,9 +187,11 @@ class Errors:
 
 
 def prepare(
-    ckpt: Checkpoint, steps: list, entry: Path | None, plans: list[Any], ctx: RunContext, idx: int
-) -> LayerPlan:
-    """The layer's part of an expert-chunked run (module docstring); ``plans[s]``: step ``s``'s decision."""
+    ckpt: Checkpoint, steps: list, entry: Path | None, plans: list[Any], ctx: RunContext, idx: int,
+    size: int | None = None,
+) -> LayerPlan:  # fmt: skip
+    """The layer's part of an expert-chunked run (module docstring); ``plans[s]``: step ``s``'s decision;
+    ``size``: experts per chunk, for a two-phase step's first sweep (``Chunking.gather``, :func:`gather`)."""
     dev, host = torch.device(ctx.device), torch.device("cpu")
     shell0 = ckpt.read_layer_shell(idx)
     stats = {host: load_layer(entry, idx, experts=False) if entry is not None else {}}  # the rest: by rows
@@ -225,9 +228,57 @@ def prepare(
     hx = stats[dev].get("holdout_x")
     err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
     rows = ExpertRows(entry, idx) if entry is not None else None
-    return LayerPlan(
-        idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows, preludes
-    )
+    lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows, preludes)
+    for s, step in enumerate(steps):
+        if step.spec.chunking.gather is not None:
+            if size is None:
+                raise PassError(f"{step.label}, layer {idx}: a two-phase step needs the chunk size to gather")
+            t0 = time.perf_counter()
+            preludes[s] = gather(lp, s, size)
+            secs[s] += time.perf_counter() - t0
+    return lp
+
+
+def gather(lp: LayerPlan, s: int, size: int) -> Any:
+    """Step ``s``'s first phase (``Chunking.gather``): every chunk of ``size`` experts of the layer read, the
+    earlier ``select`` steps applied, folded in chunk order; then ``Chunking.fit`` once with the layer's
+    statistics: the value every chunk's step reads as ``stats.prelude``. Every rank repeats it under
+    ``torchrun`` (the same fold in the same order: the same value)."""
+    step, mode, idx = lp.steps[s], lp.steps[s].spec.chunking, lp.idx
+    where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
+    e_s = lp.shells[s].router.num_experts
+    acc = None
+    try:
+        for a, b in chunks.bounds(lp.shells[0].router.num_experts, size):
+            bank: ExpertBank | None = lp.ckpt.read_experts(idx, a, b)
+            g0 = a
+            for j, earlier in enumerate(lp.steps[:s]):
+                if earlier.spec.chunking.mode != "select":
+                    if earlier.spec.report_only or not earlier.spec.alters_for(earlier.config):
+                        continue
+                    raise PassError(f"{step.label}, layer {idx}: gathers every chunk before {earlier.label} "
+                                    "has run on it; set calibration.recalibrate: auto or expert_chunk: off")  # fmt: skip
+                local, g1 = chunks.selected(lp.kept_of[j], g0, g0 + bank.num_experts)  # type: ignore[union-attr]
+                if lp.kept_of[j] is not None:
+                    bank = chunks.take(bank, local) if local else None  # type: ignore[arg-type]
+                g0 = g1
+                if bank is None:
+                    break
+            if bank is None:
+                continue
+            n = bank.num_experts
+            sub = layer_to(chunks.sub_layer(lp.shells[s], bank, g0), where)
+            st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
+                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
+            acc = mode.gather(sub, st, step.config, acc)
+            del sub, bank
+            release_freed()
+        st = step_stats(step, idx, lp.stats[where], plan=lp.plans[s])
+        return mode.fit(acc, lp.shells[s], st, step.config)
+    except PassError:
+        raise
+    except MoecompressError as e:
+        raise PassError(f"{step.label}, layer {idx}: {e}") from None
 
 
 def _chunk_stats(lp: LayerPlan, step, where, e_s: int, a: int, b: int) -> dict[str, torch.Tensor]:
@@ -295,10 +346,12 @@ def encode_chunk(
     """One chunk's routed experts of a written step, as ``(stock, [(how, name, tensor)])``: ``how`` is
     ``add`` for per-expert names under their ids in the layer, ``append`` for segments of fused ``[E, ...]``
     tensors; index vectors and the router come with the whole layer. The bank's input rotation (one
-    ``[H, H]`` for the layer, the same in every chunk) is added by the chunk holding the layer's first
-    expert (``g0 == 0``)."""
+    ``[H, H]`` for the layer, the same in every chunk) and its layouts' shared tensors (``Layout.shared``:
+    ``Tucker``'s factors) are added by the chunk holding the layer's first expert (``g0 == 0``)."""
     ad = ckpt.adapter
     rotation = f"{ad.experts_key(idx)}.rotation"
+    once = {rotation} | {f"{ad.experts_key(idx)}.{p}.{k}" for p in chunks.PROJ
+                         for k in type(getattr(out.experts, p)).shared}  # fmt: skip
     mode = is_stock(out, ad)
     if mode:
         skip = set(ad.router_keys(idx))
@@ -310,7 +363,7 @@ def encode_chunk(
     for name, t in tensors.items():
         if name in skip or (t.dim() == 1 and not t.is_floating_point()):
             continue
-        if not mode and name == rotation:
+        if not mode and name in once:
             if g0 == 0:
                 writes.append(("add", name, t))
             continue

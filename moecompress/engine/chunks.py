@@ -195,14 +195,22 @@ def _index_vector(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 1 and not t.is_floating_point()
 
 
-def join_tensors(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def join_tensors(
+    parts: list[dict[str, torch.Tensor]], shared: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """One layout's (or bank's) tensors from its chunks': index vectors concatenated for real (``members``,
-    which index the compressed experts in expert-id order, offset by the earlier chunks' count), every
-    other tensor as a ``meta`` tensor of the concatenated shape (along the first dimension)."""
+    which index the compressed experts in expert-id order, offset by the earlier chunks' count), the
+    ``shared`` ones (``Layout.shared``: the same in every chunk) once, every other tensor as a ``meta``
+    tensor of the concatenated shape (along the first dimension)."""
     out: dict[str, torch.Tensor] = {}
     names = [n for n in dict.fromkeys(k for p in parts for k in p)]
     for name in names:
         have = [p[name] for p in parts if name in p]
+        if name in shared:
+            if len(have) != len(parts) or len({(tuple(t.shape), t.dtype) for t in have}) > 1:
+                raise PassError(f"the chunks' shared tensor {name!r} differs in shape between chunks")
+            out[name] = torch.empty_like(have[0], device="meta")
+            continue
         if _index_vector(name, have[0]):
             if name.endswith("members"):
                 fixed, seen = [], 0
@@ -229,7 +237,7 @@ def join_bank(banks: list[ExpertBank]) -> ExpertBank:
         lay = getattr(first, p)
         meta = {**lay.meta(), "shape": [sum(getattr(b, p).shape[0] for b in banks), *lay.shape[1:]]}
         lays.append(
-            LAYOUTS[lay.kind].from_tensors(join_tensors([getattr(b, p).tensors() for b in banks]), meta)
+            LAYOUTS[lay.kind].from_tensors(join_tensors([getattr(b, p).tensors() for b in banks], lay.shared), meta)
         )
     widths = None
     if any(b.widths is not None for b in banks):

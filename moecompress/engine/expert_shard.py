@@ -97,7 +97,7 @@ def follow(
         if plans is None:
             _check_entry(ranks, entry, needs_stats)
             plans = plans_of()
-        lp = prepare(ckpt, steps, entry, [plans.get(s.number, {}).get(idx) for s in steps], ctx, idx)
+        lp = prepare(ckpt, steps, entry, [plans.get(s.number, {}).get(idx) for s in steps], ctx, idx, size)
         written = set(cmd[3 : 3 + count])
         for k, (a, b) in enumerate(chunks.bounds(lp.shells[0].router.num_experts, size)):
             if k % ranks.world_size == ranks.rank:

@@ -80,19 +80,24 @@ def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str,
     stale: dict[str, Any] = {}  # statistic -> the step that changed what it depends on
     out: list[dict[str, str]] = []
     cut: list[int] = []
+    changer = None  # the segment's first per-expert step that changes the layer
     for index, step in enumerate(steps):
         if step.spec.stage is not None:  # the next segment is calibrated on the stage's output
-            mapped, stale = {}, {}
+            mapped, stale, changer = {}, {}, None
             out.append({})
             continue
         why = _cannot_follow(step, stale, mapped)
         if why is None and recalibrate == "chunks" and any(n in stale or n in mapped for n in step.needs):
             why = "held by chunks"  # strict: nothing follows the layer, the step reads a fresh calibration
+        if why is None and recalibrate == "chunks" and changer is not None and _gathers(step):
+            why = "held by chunks"  # its first sweep would rerun the earlier step on every chunk
         if why is not None:
             if not recalibrate:
                 raise RecipeError(why)
-            mapped, stale = {}, {}  # a new segment: this step reads a fresh calibration of its input
+            mapped, stale, changer = {}, {}, None  # a new segment: this step reads a fresh calibration of its input
             cut.append(index)
+        if changer is None and _changes_experts(step):
+            changer = step
         rules: dict[str, str] = {}
         for name in sorted(step.needs):
             by = stale.get(name, mapped.get(name))
@@ -113,6 +118,33 @@ def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str,
                 stale[name] = step
                 mapped.pop(name, None)
     return out, cut
+
+
+def _gathers(step: Any) -> bool:
+    """A two-phase step by chunks (``Chunking.gather``): its first sweep reads the layer's experts."""
+    return step.spec.chunking is not None and step.spec.chunking.gather is not None
+
+
+def _changes_experts(step: Any) -> bool:
+    """A per-expert step by chunks (``Chunking`` mode ``expert``) that changes the layer."""
+    mode = step.spec.chunking
+    return (mode is not None and mode.mode == "expert" and not step.spec.report_only
+            and bool(step.spec.alters_for(step.config)))  # fmt: skip
+
+
+def gather_conflict(steps: Sequence[Any], recalibrate: bool | str = False) -> tuple[Any, Any] | None:
+    """``(earlier, step)``: a two-phase step (``Chunking.gather``) after a per-expert step of its segment that
+    changes the layer, which its first sweep would have to rerun on every chunk (``None``: none)."""
+    fresh = set(_walk(steps, recalibrate)[1]) if recalibrate else set()
+    changer = None
+    for index, step in enumerate(steps):
+        if index in fresh or step.spec.stage is not None:
+            changer = None
+        if changer is not None and _gathers(step):
+            return changer, step
+        if changer is None and _changes_experts(step):
+            changer = step
+    return None
 
 
 def _why(step: Any, by: Any, name: str) -> str:

@@ -195,7 +195,20 @@ class Chunking:
     match.
     ``exact(cfg) -> bool``: whether the chunks give the whole layer's bytes (``None``: always). Under
     ``torchrun`` a layer is shared out by chunks only when every step is exact (``expert_chunk: N`` or
-    ``auto`` still chunks the others, by request)."""
+    ``auto`` still chunks the others, by request).
+
+    ``gather(sub, stats, cfg, acc) -> acc`` and ``fit(acc, shell, stats, cfg) -> value``: an ``expert``
+    step in two phases, for what every expert of the layer shapes (``tdmoe``'s shared Tucker factors). In
+    :func:`~moecompress.engine.chunk_work.prepare`, a first sweep reads every chunk of the layer (the
+    earlier ``select`` steps applied) and folds it into ``acc`` (``None`` before the first chunk; chunks
+    in order, ``stats`` the chunk's as in the second sweep); ``fit`` then makes, once per layer and with
+    the layer's whole statistics, the value each chunk's step reads as ``stats.prelude``, exactly as a
+    ``prelude``'s (a step has one or the other). An earlier ``expert`` step that changes the layer would
+    have to run twice on every chunk: the dry run refuses it unless ``calibration.recalibrate: auto``
+    starts a new segment at the gathering step (:func:`moecompress.engine.follow.cuts`).
+    ``workspace(chunk, cfg) -> bytes``: the step's workspace on a chunk's sub-layer when it differs from
+    ``PassSpec.workspace`` on it (both phases of a two-phase step: its accumulators and its fit); the dry
+    run's chunk estimate uses it."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
@@ -204,12 +217,19 @@ class Chunking:
     refuse_layer: Callable[[MoELayer, Any], str | None] | None = None
     prelude: Callable[[MoELayer, LayerStats, Any], Any] | None = None
     exact: Callable[[Any], bool] | None = None
+    gather: Callable[[MoELayer, LayerStats, Any, Any], Any] | None = None
+    fit: Callable[[Any, MoELayer, LayerStats, Any], Any] | None = None
+    workspace: Callable[[MoELayer, Any], int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select"):
             raise ValueError(f"Chunking mode must be 'expert' or 'select', got {self.mode!r}")
         if self.mode == "expert" and self.merge is None:
             raise ValueError("Chunking('expert') needs merge(infos, bounds, cfg) -> info")
+        if (self.gather is None) != (self.fit is None) or (self.gather is not None and self.mode != "expert"):
+            raise ValueError("Chunking: gather and fit come together, on an 'expert' step")
+        if self.gather is not None and self.prelude is not None:
+            raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
 
 
 def shifted_ids(infos: list[dict], bounds: list[tuple[int, int]], key: str) -> list[int]:

@@ -55,6 +55,10 @@ class Layout(ABC):
     """Storage of one projection (gate, up or down) for every expert of a bank."""
 
     kind: ClassVar[str]
+    shared: ClassVar[frozenset[str]] = frozenset()
+    """Tensors every expert of the bank shares (``Tucker``'s factors), not one per expert: a bank held by
+    chunks of experts (:func:`moecompress.engine.chunks.join_bank`) has them once, the same in every chunk,
+    and the other tensors appended along their first (expert) axis."""
 
     @property
     @abstractmethod

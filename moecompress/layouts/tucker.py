@@ -37,6 +37,7 @@ class Tucker(Layout):
     exact: torch.Tensor | None = None
     u_expert: torch.Tensor | None = None
     kind: ClassVar[str] = "tucker"
+    shared: ClassVar[frozenset[str]] = frozenset({"u_out", "u_in"})
 
     def __post_init__(self) -> None:
         r2, r3 = self.u_out.shape[1], self.u_in.shape[1]

@@ -74,3 +74,18 @@ def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: 
     return torch.from_numpy(np.ascontiguousarray(core)), [
         torch.from_numpy(np.ascontiguousarray(f)) for f in factors
     ]
+
+
+def gram_factor(gram: torch.Tensor, r: int) -> torch.Tensor:
+    """The leading ``r`` eigenvectors ``[d, r]`` (largest eigenvalue first) of a mode Gram matrix
+    ``Σ_e X_e X_eᵀ`` ``[d, d]`` (float64): the HOSVD factor of that mode, the left singular vectors of the
+    mode unfolding, which tensorly's :func:`decompose` takes; signed as tensorly signs them (``svd_flip``:
+    each column's entry of largest magnitude positive, the first such entry on ties), so that both give the
+    same factor up to rounding where the eigenvalues at the cut are apart (the reconstruction depends only
+    on the subspace)."""
+    g = gram.double()
+    _, q = torch.linalg.eigh((g + g.T) / 2)
+    u = q[:, -r:].flip(-1) if r > 0 else q[:, :0]
+    top = u.abs().argmax(0)
+    sign = torch.sign(u[top, torch.arange(u.shape[1])])
+    return u * torch.where(sign == 0, torch.ones_like(sign), sign)

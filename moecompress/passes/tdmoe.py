@@ -39,19 +39,20 @@ Example steps::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
 from moecompress.methods.structure import allocate, mode_bases, tucker_residual
-from moecompress.methods.tucker import decompose, decompose_workspace, tucker_ranks
+from moecompress.methods.tucker import decompose, decompose_workspace, gram_factor, tucker_ranks
 from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 from moecompress.passes.neuron_pruning import one_width_members
 from moecompress.reference import moe_forward
@@ -72,11 +73,15 @@ class TdmoeConfig(PassConfig):
     )
 
 
-def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
-    bank = layer.experts
-    for lay in (bank.gate, bank.up, bank.down):
+def _check_dense(layer: MoELayer) -> None:
+    for lay in (layer.experts.gate, layer.experts.up, layer.experts.down):
         if not isinstance(lay, (Dense, Ragged)):
             raise PassError(f"tdmoe needs dense experts, got a {lay.kind!r} layout; decompose before it")
+
+
+def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
+    bank = layer.experts
+    _check_dense(layer)
     if cfg.r1 is not None and cfg.r1 > bank.num_experts:
         raise PassError(f"r1={cfg.r1} exceeds the {bank.num_experts} experts")
     e, i, h = bank.gate.shape
@@ -184,6 +189,8 @@ def _emits(layer: MoELayer, cfg: TdmoeConfig) -> MoELayer:
 
 def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
     """Decompose each projection of the routed experts with a shared Tucker basis (TD-MoE)."""
+    if isinstance(stats.prelude, Factors):  # a chunk of a layer held by chunks of experts
+        return project(layer, stats.prelude)
     _check(layer, cfg)
     bank = layer.experts
     members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
@@ -268,6 +275,182 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
     }
 
 
+# -- by chunks of experts (engine/chunks.py, Chunking.gather / fit) ----------------------------------------
+# HOSVD with the expert mode kept (r1 = M) needs of every expert only the whitened mode Gram matrices: the
+# factors U_out, U_in are the leading eigenvectors of G_out = Σ_e X_e X_eᵀ and G_in = Σ_e X_eᵀ X_e
+# (X_e = A·W_e·B), the left singular vectors of the mode unfoldings that tensorly computes, and the
+# per-expert cores C_e = U_outᵀ X_e U_in depend on expert e alone. A layer held by chunks is swept twice:
+# the Grams summed over every chunk (``gather``), the factors fitted once (``fit``), then each chunk
+# projected onto them (``project``, the step's run on the chunk).
+
+
+@dataclass
+class Grams:
+    """The first sweep's fold: the whiteners (the layer's pooled statistics, made at the first chunk), per
+    projection ``G_out`` ``[out, out]`` and ``G_in`` ``[in, in]`` (float64), the decomposed experts seen."""
+
+    whiteners: dict[str, Whitener]
+    g_out: dict[str, torch.Tensor]
+    g_in: dict[str, torch.Tensor]
+    members: int = 0
+
+
+@dataclass
+class Factors:
+    """What every chunk of a layer reads (``stats.prelude``): the whiteners, the layer's ratio, its decomposed
+    experts ``members`` (``M``, 0: every expert protected, the layer is left as it is), per projection the
+    ranks ``(M, r2, r3)`` and the whitened factors ``(U_out, U_in)`` (float64)."""
+
+    whiteners: dict[str, Whitener]
+    ratio: float
+    members: int
+    ranks: dict[str, tuple[int, int, int]]
+    white: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _expert(full: torch.Tensor, proj: str, e: int, live: int) -> torch.Tensor:
+    return full[e, :live] if proj != "down" else full[e, :, :live]
+
+
+def gather(sub: MoELayer, stats: LayerStats, cfg: TdmoeConfig, acc: Grams | None) -> Grams:
+    """A chunk's whitened experts added to the layer's mode Grams, one expert at a time."""
+    _check_dense(sub)
+    if sub.experts.widths is not None:
+        raise PassError("a neuron-pruned bank's down-input covariance follows the whole layer's routing; "
+                        "use expert_chunk: off or calibration.recalibrate: auto")  # fmt: skip
+    members, _, live = one_width_members(sub, "tdmoe", "decomposed")
+    if acc is None:
+        whiteners = projection_whiteners(_live_stats(sub, stats, live, cfg), cfg.whitening, cfg.input_form)
+        acc = Grams(whiteners, {}, {})
+        for proj in PROJ:
+            _, out, inp = getattr(sub.experts, proj).shape
+            out, inp = (live, inp) if proj != "down" else (out, live)
+            acc.g_out[proj] = torch.zeros(out, out, dtype=torch.float64)
+            acc.g_in[proj] = torch.zeros(inp, inp, dtype=torch.float64)
+    for proj in PROJ:
+        full, wh = getattr(sub.experts, proj).dense(), acc.whiteners[proj]
+        g_out, g_in = acc.g_out[proj], acc.g_in[proj]
+        for e in members:
+            x = wh.whiten(_expert(full, proj, e, live)).to(g_out.device)
+            g_out.addmm_(x, x.T)
+            g_in.addmm_(x.T, x)
+            del x
+    acc.members += len(members)
+    return acc
+
+
+def fit(acc: Grams | None, shell: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> Factors:
+    """The layer's factors from its Grams, once: ranks ``(r2, r3)`` for ``M`` experts at the layer's ratio
+    (``budget: adaptive``: the plan's), the leading eigenvectors (:func:`gram_factor`)."""
+    ratio = cfg.ratio if stats.plan is None else float(stats.plan)
+    if acc is None or acc.members == 0:
+        return Factors({}, ratio, 0, {}, {})
+    ranks, white = {}, {}
+    for proj in PROJ:
+        g_out, g_in = acc.g_out[proj], acc.g_in[proj]
+        r1, r2, r3, _ = tucker_ranks(acc.members, g_out.shape[0], g_in.shape[0], ratio, None)
+        ranks[proj] = (r1, r2, r3)
+        white[proj] = (gram_factor(g_out, r2), gram_factor(g_in, r3))
+    return Factors(acc.whiteners, ratio, acc.members, ranks, white)
+
+
+def project(layer: MoELayer, pre: Factors) -> tuple[MoELayer, dict]:
+    """A chunk's experts on the layer's factors: ``C_e = U_outᵀ X_e U_in`` per decomposed expert, the
+    protected ones exact, the factors un-whitened as the whole layer's (:func:`_factorise`). The info holds
+    the chunk's squared whitened errors (``sq``) and the factors' parameters once (``factor_params``), which
+    :func:`merge_tdmoe` needs."""
+    _check_dense(layer)
+    if pre.members == 0:
+        return layer, {"skipped": "every expert is protected"}
+    bank = layer.experts
+    members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
+    lays, info, shared = {}, {}, 0
+    for proj in PROJ:
+        lay, wh = getattr(bank, proj), pre.whiteners[proj]
+        full, dt = lay.dense(), lay.dtype
+        u_w, v_w = pre.white[proj]
+        r1, r2, r3 = pre.ranks[proj]
+        xs = [wh.whiten(_expert(full, proj, e, live)) for e in members]
+        cores = torch.stack([u_w.T @ x @ v_w for x in xs]) if xs else torch.zeros(0, r2, r3, dtype=torch.float64)
+        u_out, u_in = wh.unwhiten_out(u_w), wh.unwhiten_in(v_w)
+        pad = lay.shape[1] - u_out.shape[0] if proj != "down" else lay.shape[2] - u_in.shape[0]
+        if proj != "down":
+            u_out = torch.cat([u_out, u_out.new_zeros(pad, r2)])
+        else:
+            u_in = torch.cat([u_in, u_in.new_zeros(pad, r3)])
+        index = torch.full((lay.shape[0],), -1, dtype=torch.int64)
+        index[members] = torch.arange(len(members))
+        dense = full[dense_ids].to(dt) if dense_ids else None
+        new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None)
+        err = ref = 0.0
+        for e, x in zip(members, xs):
+            rec = new.expert(e).double()[: x.shape[0], : x.shape[1]]  # the live part
+            err += float((wh.whiten(rec) - x).pow(2).sum())
+            ref += float(x.pow(2).sum())
+        rel = (err / ref) ** 0.5 if ref > 0 else 0.0
+        info[proj] = {"ranks": [r1, r2, r3], "whitened_rel_error": round(rel, 6), "sq": [err, ref]}
+        lays[proj] = new
+        shared += new.u_out.numel() + new.u_in.numel()
+    before = sum(getattr(bank, p).num_params() for p in PROJ)
+    after = sum(lays[p].num_params() for p in PROJ)
+    dense_params = len(dense_ids) * 3 * bank.width * bank.hidden_size
+    info.update(ratio=pre.ratio, params_before=before, params_after=after, members=len(members),
+                dense_experts=dense_ids, dense_params=dense_params, factor_params=shared)  # fmt: skip
+    new_bank = ExpertBank(lays["gate"], lays["up"], lays["down"], biases=bank.biases, act=bank.act,
+                          alpha=bank.alpha, limit=bank.limit)  # fmt: skip
+    return layer.replace(experts=new_bank), info
+
+
+def merge_tdmoe(infos: list[dict], bnds: list[tuple[int, int]], cfg: TdmoeConfig) -> dict:
+    """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``), with the whole layer's keys: the
+    ranks (the layer's, the same in every chunk), the whitened errors from the chunks' summed squares, the
+    counts summed and the shared factors counted once."""
+    if all("skipped" in i for i in infos):
+        return dict(infos[0])
+    out: dict = {}
+    for proj in PROJ:
+        err = sum(i[proj]["sq"][0] for i in infos)
+        ref = sum(i[proj]["sq"][1] for i in infos)
+        rel = (err / ref) ** 0.5 if ref > 0 else 0.0
+        out[proj] = {"ranks": infos[0][proj]["ranks"], "whitened_rel_error": round(rel, 6)}
+    before = sum(i["params_before"] for i in infos)
+    shared = infos[0]["factor_params"]
+    after = sum(i["params_after"] - i["factor_params"] for i in infos) + shared
+    dense_params = sum(i["dense_params"] for i in infos)
+    out.update(ratio=infos[0]["ratio"], params_before=before, params_after=after,
+               members=sum(i["members"] for i in infos), dense_experts=shifted_ids(infos, bnds, "dense_experts"),
+               dense_params=dense_params, fraction_removed=(before - after) / max(before - dense_params, 1))  # fmt: skip
+    return out
+
+
+def refuse_chunks(cfg: TdmoeConfig) -> str | None:
+    """What needs every expert of a layer at once (the fix in the line)."""
+    if cfg.method == "hooi":
+        return ("method: hooi iterates over every expert of the layer at once; use method: hosvd (its shared "
+                "factors are fitted over the chunks)")  # fmt: skip
+    if cfg.budget == "from_structure":
+        return ("budget: from_structure scans per-projection ranks on the whitened stack of every expert at "
+                "once; use budget: uniform or adaptive")  # fmt: skip
+    return None
+
+
+def refuse_layer(shell: MoELayer, cfg: TdmoeConfig) -> str | None:
+    """``r1`` below the layer's experts truncates the expert mode, which needs every expert at once."""
+    if cfg.r1 is not None and cfg.r1 < shell.experts.num_experts:
+        return (f"r1={cfg.r1} truncates the expert mode, which mixes every expert of the layer; leave r1 unset "
+                "(the shared factors are fitted over the chunks)")  # fmt: skip
+    return None
+
+
+def chunk_workspace(sub: MoELayer, cfg: TdmoeConfig) -> int:
+    """Peak bytes of both phases on a chunk ``sub`` of ``n`` experts beyond its input and output: the three
+    projections' Gram matrices (``3·(H² + I²)`` float64, held from the first chunk to the fit), the
+    whiteners (``2·H² + I²``), the fit's eigendecomposition of the largest (``2·H²``), one expert's whitened
+    copies (``3·I·H``) and the chunk's float64 cores (at most ``n·I·H``)."""
+    n, i, h = sub.experts.gate.shape
+    return 8 * (3 * (h * h + i * i) + 2 * h * h + i * i + 2 * h * h + 3 * i * h + n * i * h)
+
+
 def _workspace(layer: MoELayer) -> int:
     """One projection at a time (:func:`~moecompress.methods.tucker.decompose_workspace`): its experts
     stacked, whitened in float64 and decomposed by tensorly's HOSVD. Every projection has ``E·I·H``
@@ -283,4 +466,6 @@ SPEC = PassSpec(
     | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
     summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=lambda layer, cfg: _workspace(layer),
     alters=frozenset({"weights"}),
+    chunking=Chunking("expert", merge=merge_tdmoe, refuse=refuse_chunks, refuse_layer=refuse_layer,
+                      exact=lambda cfg: False, gather=gather, fit=fit, workspace=chunk_workspace),
 )  # fmt: skip
