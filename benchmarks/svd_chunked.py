@@ -4,7 +4,10 @@ layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for e
 - ``--step svd_experts`` (default): ``svd_experts {ratio: 0.4}`` with ``ranks: balanced`` (each chunk spends
   its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical);
 - ``--step codequant``: ``codequant {bits: 4}`` with the default fine-tuning (each chunk fitted on its own
-  experts' part of the block output) and with ``finetune_steps: 0`` (k-means only, byte-identical).
+  experts' part of the block output) and with ``finetune_steps: 0`` (k-means only, byte-identical);
+- ``--step tdmoe``: ``tdmoe {ratio: 0.4}`` (HOSVD, input whitening): whole layers through tensorly's HOSVD of
+  the stacked experts, chunks in two phases (the whitened mode Grams summed over the chunks, the factors
+  fitted once, each chunk's cores projected).
 
 Calibration, evaluation (the last 2 % of every corpus file held out) and expert bytes as in
 ``benchmarks/chain_quality.py`` (its ``expert_bytes``).
@@ -52,6 +55,13 @@ def _codequant_errors(rep: dict) -> dict:
             "routed_bits_per_param": rep["summary"]["routed_bits_per_param"]}  # fmt: skip
 
 
+def _tucker_errors(rep: dict) -> dict:
+    s = rep["summary"]
+    errs = [e for v in s["whitened_rel_error"].values() for e in v.values()]
+    return {"ranks": s["ranks"], "mean_whitened_rel_error": sum(errs) / max(len(errs), 1),
+            "routed_fraction_removed": s["routed_fraction_removed"]}  # fmt: skip
+
+
 # step -> (variant -> step config, the variant's key in the table, extra report columns)
 STEPS = {
     "svd_experts": (
@@ -63,6 +73,7 @@ STEPS = {
                       "kmeans": {"codequant": {"bits": args.bits, "finetune_steps": 0}}},
         "variant", _codequant_errors,
     ),
+    "tdmoe": (lambda args: {"hosvd": {"tdmoe": {"ratio": args.ratio}}}, "variant", _tucker_errors),
 }
 
 
@@ -71,7 +82,7 @@ def main() -> None:
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--step", choices=sorted(STEPS), default="svd_experts")
-    ap.add_argument("--ratio", type=float, default=0.4, help="svd_experts: the ratio")
+    ap.add_argument("--ratio", type=float, default=0.4, help="svd_experts, tdmoe: the ratio")
     ap.add_argument("--bits", type=int, default=4, help="codequant: the bits")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--holdout", type=int, default=8)
@@ -119,7 +130,8 @@ def main() -> None:
                        "wall_s": wall, "eval_s": time.perf_counter() - t1, "sha256_16": digest(out),
                        **extra(rep)}  # fmt: skip
                 res["rows"][f"{ranks}-{label}"] = row
-                more = {k: v for k, v in row.items() if k in ("total_rank", "mean_val_error_final", "best_steps")}
+                more = {k: v for k, v in row.items()
+                        if k in ("total_rank", "mean_val_error_final", "best_steps", "mean_whitened_rel_error")}  # fmt: skip
                 print(f"{name} {ranks} {label}: {row['expert_bytes']} B, KL {row['kl']:.5f}, ppl "
                       f"{row['perplexity']:.3f}, {more}, {wall:.1f} s + eval "
                       f"{row['eval_s']:.1f} s, sha {row['sha256_16']}", flush=True)  # fmt: skip
@@ -129,12 +141,15 @@ def main() -> None:
     for name, res in results["models"].items():
         print(f"\n**{name}** ({res['experts']} experts, chunks of {res['chunk']}; base expert bytes "
               f"{res['base_expert_bytes']:,})\n")  # fmt: skip
-        col = "total rank gate/up/down" if args.step == "svd_experts" else "mean val error (layer / chunk part)"
+        col = {"svd_experts": "total rank gate/up/down", "codequant": "mean val error (layer / chunk part)",
+               "tdmoe": "mean whitened rel. error"}[args.step]  # fmt: skip
         print(f"| {key} | layer held | expert bytes | {col} | KL to base | held-out ppl | top-1 agree | s | sha256[:16] |")
         print("|---|---|---:|---|---:|---:|---:|---:|---|")
         for r in res["rows"].values():
             if args.step == "svd_experts":
                 tr = "/".join(str(r["total_rank"][p]) for p in ("gate", "up", "down"))
+            elif args.step == "tdmoe":
+                tr = f"{r['mean_whitened_rel_error']:.6f}"
             else:
                 tr = f"{r['mean_val_error_final']:.4f}"
             held = "whole" if r["expert_chunk"] == "off" else f"chunks of {r['expert_chunk']}"
