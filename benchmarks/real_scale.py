@@ -245,7 +245,7 @@ import moecompress as mc
 from moecompress.engine.peak import peak_rss_bytes
 rec = json.loads(sys.argv[1])
 t = time.perf_counter()
-mc.apply(rec, progress=False)
+(mc.calibrate if len(sys.argv) > 2 else mc.apply)(rec, progress=False)
 wall = time.perf_counter() - t
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
 print(json.dumps({"wall_s": wall, "peak": peak_rss_bytes(),
@@ -302,10 +302,11 @@ def run_estimate(dry: dict) -> int:
 
 def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limit: str | None, samples: int,
                  seq_len: int, source: str, experts: int = 256, vocab: int | None = None,
-                 fill: bool = False) -> None:  # fmt: skip
+                 fill: bool = False, calibrate_only: bool = False) -> None:  # fmt: skip
     """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros; ``fill``: random
     values written in, :func:`fill_checkpoint`) in a fresh process: peak RSS, wall time, bytes read and
-    written; ``source: none`` needs no calibration."""
+    written; ``source: none`` needs no calibration. ``calibrate_only``: ``moecompress calibrate`` of the
+    recipe (a fresh statistics cache): its peak against the dry run's calibration estimate."""
     path = root / f"deepseek-v3-fp8-{moe_layers}l-{experts}e"
     if fill and not (path / "filled").exists():
         shutil.rmtree(path, ignore_errors=True)
@@ -323,7 +324,10 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
             cal["memory_limit"] = limit
         rec = {"model": str(path), "output": str(out), "steps": [{name: STEPS[name]}], "expert_chunk": chunk,
                "max_shard_size": "2GB", "calibration": {**cal, "cache_dir": str(root / f"cache-{name}")}}  # fmt: skip
-        res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec)], capture_output=True, text=True)
+        if calibrate_only:
+            shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
+        res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec), *(["calibrate"] if calibrate_only else [])],
+                             capture_output=True, text=True)  # fmt: skip
         line = {"model": f"deepseek-v3 fp8{' (filled)' if fill else ''}, {moe_layers} MoE layer(s) of {experts} experts", "step": name,
                 "expert_chunk": chunk,
                 "memory_limit": limit, "calibration": source if source == "none" else f"{samples} x {seq_len}"}  # fmt: skip
@@ -331,6 +335,19 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
             print(json.dumps({**line, "error": (res.stderr.strip().splitlines() or ["?"])[-1][:400]}))
             continue
         m = json.loads(res.stdout.strip().splitlines()[-1])
+        if calibrate_only:
+            from moecompress.engine.dry_run import dry_run  # the estimate, in this process
+
+            dry = dry_run(__import__("moecompress").load_recipe(rec), __import__("moecompress").open_checkpoint(path))
+            cache = sum(p.stat().st_size for p in (root / f"cache-{name}").rglob("*") if p.is_file())
+            print(json.dumps({**line, "calibrate_only": True, "chunks": dry.get("expert_chunk"),
+                              "peak_rss_gib": round(m["peak"] / GiB, 2),
+                              "calibration_estimate_gib": round(dry["calibration_memory_bytes"] / GiB, 2),
+                              "stats_estimate_gib": round(dry["calibration_stats_bytes"] / GiB, 2),
+                              "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
+                              "cache_gib": round(cache / GiB, 2)}))  # fmt: skip
+            shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
+            continue
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         report = json.loads((out / "report.json").read_text())
         print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
@@ -357,13 +374,14 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256, help="deepseek: routed experts per layer (real: 256)")
     ap.add_argument("--vocab", type=int, default=None, help="deepseek: vocabulary (real: 129280)")
     ap.add_argument("--fill", action="store_true", help="deepseek --run: write random values into the holes")
+    ap.add_argument("--calibrate-only", action="store_true", help="deepseek --run: calibration alone, peak vs estimate")
     args = ap.parse_args()
     args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.what == "deepseek" and args.run:
         deepseek_run(root, args.steps, args.moe_layers, args.expert_chunk, args.memory_limit, args.samples,
-                     args.seq_len, args.source, args.experts, args.vocab, args.fill)  # fmt: skip
+                     args.seq_len, args.source, args.experts, args.vocab, args.fill, args.calibrate_only)  # fmt: skip
     elif args.what == "deepseek":
         deepseek(root)
     else:

@@ -286,15 +286,12 @@ class StatsCollector:
                 continue
             apart = self._apart.get(name, {})
             n = self.layer.hidden_size if name == "expert_in_cov" else self.layer.experts.width
-            rows = []
+            rows = out[name] = torch.zeros(b - a, n, n)  # filled in place: the float64 sums go as it grows
             for e in range(a, b):
                 s = apart.pop(e, None)
-                if s is None:  # no token reached it: the zero rows of the [E, ...] sums
-                    rows.append(torch.zeros(n, n))
-                    continue
-                rows.append((s / routed[e].clamp_min(1).to(s.device)).float().cpu())
+                if s is not None:  # else no token reached it: the zero rows of the [E, ...] sums
+                    rows[e - a] = (s / routed[e].clamp_min(1).to(s.device)).float().cpu()
                 del s
-            out[name] = torch.stack(rows) if rows else torch.zeros(0, n, n)
         return out
 
     # -- results ---------------------------------------------------------------------------------

@@ -72,13 +72,16 @@ def _layer_memory(
     return held([k for k in keys if k not in routed]) + -(-experts * chunk // ckpt.adapter.num_experts)
 
 
-def collector_bytes(stats: Mapping[str, int], kind: str) -> int:
+def collector_bytes(stats: Mapping[str, int], kind: str, spilled: frozenset[str] = frozenset()) -> int:
     """Peak bytes of one layer's statistics collector in calibration (``calibration/stats.py``), from the
     float32 bytes of each statistic (``stats``: name -> bytes, :func:`stat_bytes`) of ``kind`` (``forward``
     or ``backward``): the float64 sums (twice their float32 bytes), and while ``result`` converts them, the
-    largest one's float64 mean and every float32 result (``3·S + 2·L``)."""
-    mine = [b for name, b in stats.items() if name in CATALOGUE and CATALOGUE[name].kind == kind]
-    return 3 * sum(mine) + 2 * max(mine, default=0)
+    largest one's float64 mean and every float32 result (``3·S + 2·L``). ``spilled`` (a chunk's share of the
+    per-expert covariances, ``StatsCollector.spill``): their float64 sums, which the float32 rows replace
+    as they are finished, then the rows and the writer's copy of one (``2·S``, as ``L ≤ S``)."""
+    mine = [b for name, b in stats.items() if name in CATALOGUE and CATALOGUE[name].kind == kind and name not in spilled]
+    apart = sum(b for name, b in stats.items() if name in spilled and CATALOGUE[name].kind == kind)
+    return 3 * sum(mine) + 2 * max(mine, default=0) + 2 * apart
 
 
 def estimate(
@@ -115,11 +118,12 @@ def estimate(
     )
     # the recorded MoE inputs and the fp32 accumulators of the chunked layers' MoE outputs
     in_layer = layer_mem + (act + tokens * hidden * 4 if chunks else 0)
-    sizes = dict(stats or {})
+    sizes, apart = dict(stats or {}), frozenset()
     if chunks and set(chunks) >= set(ckpt.moe_layer_indices):  # no layer holds every expert's sums at once
         e, n = max(ckpt.adapter.num_experts, 1), max(chunks.values())
         sizes = {k: -(-b * n // e) if k in SPILLED else b for k, b in sizes.items()}
-    fwd, bwd = collector_bytes(sizes, "forward"), collector_bytes(sizes, "backward")
+        apart = frozenset(SPILLED)
+    fwd, bwd = collector_bytes(sizes, "forward", apart), collector_bytes(sizes, "backward", apart)
     mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer + fwd  # the forward sweep
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):
