@@ -104,21 +104,26 @@ AUTO_TOKENS, AUTO_DIMS = 64, 16
 """``target_experts: auto``: fit tokens whose expert outputs form the features; principal dimensions kept."""
 
 
-def choose_count(layer: MoELayer, x: torch.Tensor) -> tuple[int, dict]:
+def choose_count(layer: MoELayer, x: torch.Tensor, outs: torch.Tensor | None = None) -> tuple[int, dict]:
     """``target_experts: auto`` (``choose_groups``): the number of groups of the unprotected experts by
     :func:`~moecompress.methods.mixture.choose_k` (tied isotropic Gaussian mixture, EM, BIC) over their
     features — each expert's outputs on the first ``AUTO_TOKENS`` fit tokens and its centred router-logit
     column, each block scaled to unit variance, reduced to ``AUTO_DIMS`` principal dimensions —
     plus one singleton per protected expert. ``K = 1`` is the mixture's null (no cluster structure):
     the layer is kept whole rather than merged into one expert (on ref-mixtral, merging every
-    ``K = 1`` layer into one expert gave perplexity 411 against 38.9; benchmarks/RESULTS.md, issue 19)."""
+    ``K = 1`` layer into one expert gave perplexity 411 against 38.9; benchmarks/RESULTS.md, issue 19).
+    ``outs``: every expert's outputs on those tokens ``[E, T, H]`` when already computed (gathered over
+    chunks of experts: the layer's routed experts are then not read)."""
     bank = layer.experts
     e = layer.router.num_experts
     free = [i for i in range(e) if i not in layer.protected]
     if len(free) < 3:
         return e, {"groups": e, "bic": {}, "why": "fewer than 3 unprotected experts: nothing merged"}
     xs = x[:AUTO_TOKENS]
-    outs = torch.stack([expert_forward(bank, i, xs).float() for i in free])
+    if outs is None:
+        outs = torch.stack([expert_forward(bank, i, xs).float() for i in free])
+    else:
+        outs = outs[free]
     logits = router_logits(layer, x)
     rows = (logits - logits.mean(1, keepdim=True)).T[free]
     k, bic = choose_k(reduce_features([outs, rows], AUTO_DIMS))

@@ -61,7 +61,7 @@ from pydantic import Field, model_validator
 
 from moecompress.engine.spec import LayerStats, PassConfig
 from moecompress.errors import PassError
-from moecompress.ir import MoELayer
+from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.dense import Dense
 from moecompress.methods.merging import (
@@ -74,7 +74,14 @@ from moecompress.methods.merging import (
 from moecompress.methods.metrics import relative_error
 from moecompress.methods.mixture import AUTO_TOKENS, choose_count
 from moecompress.passes.merge_budget import MergeBudget, budget_needs
-from moecompress.reference import expert_forward, moe_forward, route, router_logits
+from moecompress.reference import (
+    expert_forward,
+    experts_forward,
+    moe_forward,
+    route,
+    router_logits,
+    shared_forward,
+)
 
 NEEDS = {"expert_counts", "io_sample"}
 PROJ = ("gate", "up", "down")
@@ -282,16 +289,49 @@ class MergePlan:
     auto: dict | None = None
     _y_held: torch.Tensor | None = None
     _routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    index: dict[int, int] | None = None
+    """a :meth:`unit`'s: expert id -> its row in ``layer.experts`` (``None``: the id itself)"""
+
+    def _at(self, e: int) -> int:
+        return e if self.index is None else self.index[e]
+
+    def unit(self, lo: int, hi: int, bank: ExpertBank) -> MergePlan:
+        """Groups ``[lo, hi)`` of this plan (made on the layer's shell, :func:`plan_merge` with summaries)
+        with ``bank`` holding their members, in ascending id order (read expert by expert): members,
+        weights, tokens and merged bank (:meth:`bank_of`) are those of the whole layer's plan, bit for bit;
+        the routing is the whole layer's."""
+        for part in ("fit", "held"):  # the whole router's, before the plan forgets the layer
+            if part not in self._routes:
+                self._routes[part] = route(self.layer, self.x_fit if part == "fit" else self.x_held)
+        mem = sorted(m for g in self.groups[lo:hi] for m in g)
+        if bank.num_experts != len(mem):
+            raise PassError(f"groups {lo}-{hi - 1} have {len(mem)} members, the bank holds {bank.num_experts}")
+        rows = torch.tensor(mem, dtype=torch.long)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows.to(t.device))
+
+        spec = dataclasses.replace(self.layer.router, num_experts=len(mem), top_k=min(self.layer.router.top_k, len(mem)),
+                                   n_group=None, topk_group=None, group_score=None)  # fmt: skip
+        sub = self.layer.replace(
+            router=spec, router_weight=pick(self.layer.router_weight), router_bias=pick(self.layer.router_bias),
+            score_bias=pick(self.layer.score_bias), experts=bank, routing=None, routing_similarity=None,
+            protected=frozenset(i for i, m in enumerate(mem) if m in self.layer.protected),
+        )  # fmt: skip
+        return dataclasses.replace(
+            self, layer=sub, groups=self.groups[lo:hi], bases=self.bases[lo:hi], moved=0, _y_held=None,
+            index={m: i for i, m in enumerate(mem)},
+        )  # fmt: skip
 
     def members(self, g: int) -> list[Params]:
         """Float32 parameters of group ``g``: the base first, then the others (aligned if ``align``)."""
         bank = self.layer.experts
         b = self.bases[g]
-        base = expert_params(bank, b)
+        base = expert_params(bank, self._at(b))
         out = [base]
         for e in self.groups[g]:
             if e != b:
-                p = expert_params(bank, e)
+                p = expert_params(bank, self._at(e))
                 if self.cfg.align:
                     p, n = align_to(base, p)
                     self.moved += n
@@ -321,33 +361,40 @@ class MergePlan:
         for e in self.groups[g]:
             t, k = torch.where(ids == e)
             if len(t):
-                y = expert_forward(self.layer.experts, e, x[t]).float()
+                y = expert_forward(self.layer.experts, self._at(e), x[t]).float()
                 target.index_add_(0, pos[t], y * w[t, k, None].float())
         return x[tok].float(), (w * mask).sum(1)[tok].float(), target
 
     def held_error(self, new: MoELayer) -> float:
         """Relative error ``‖MoE_new(x) − MoE(x)‖ / ‖MoE(x)‖`` of a layer on the held-back tokens."""
+        if self.index is not None:
+            raise PassError("a unit of groups has no layer error of its own: sum held_parts over the units")
         if self._y_held is None:
             self._y_held = moe_forward(self.layer, self.x_held)
         return relative_error(self._y_held, moe_forward(new, self.x_held))
 
-    def build(self, merged: dict[int, Params]) -> MoELayer:
-        """The layer with one physical expert per group: ``merged[g]`` for merged groups, the original
-        tensors (bit-identical) for singletons; router per ``cfg.router``."""
-        layer, bank, groups = self.layer, self.layer.experts, self.groups
-        e = layer.router.num_experts
-        if len(groups) == e:
-            return layer
+    def bank_of(self, merged: dict[int, Params]) -> ExpertBank:
+        """One physical expert per group, in group order: ``merged[g]`` for merged groups, the original
+        tensors (bit-identical) for singletons."""
+        bank, groups = self.layer.experts, self.groups
 
         def stack(key: str, orig: torch.Tensor) -> torch.Tensor:
             """``orig`` ``[E, ...]`` per group: the merged value, or the singleton's own (bit-identical)."""
-            return torch.stack(
-                [merged[g][key].to(orig.dtype) if g in merged else orig[m[0]] for g, m in enumerate(groups)]
-            )
+            return torch.stack([merged[g][key].to(orig.dtype) if g in merged else orig[self._at(m[0])]
+                                for g, m in enumerate(groups)])  # fmt: skip
 
         lays = {name: Dense(stack(name, getattr(bank, name).dense())) for name in PROJ}
         biases = {k: stack(f"bias.{k}", b) for k, b in bank.biases.items()}
-        new_bank = dataclasses.replace(bank, **lays, biases=biases, widths=None)
+        return dataclasses.replace(bank, **lays, biases=biases, widths=None)
+
+    def build(self, merged: dict[int, Params]) -> MoELayer:
+        """The layer with one physical expert per group: ``merged[g]`` for merged groups, the original
+        tensors (bit-identical) for singletons; router per ``cfg.router``."""
+        layer, groups = self.layer, self.groups
+        e = layer.router.num_experts
+        if len(groups) == e:
+            return layer
+        new_bank = self.bank_of(merged)
         if self.cfg.router == "remap":
             emap = torch.empty(e, dtype=torch.int64)
             for g, m in enumerate(groups):
@@ -396,21 +443,45 @@ class MergePlan:
         return out
 
 
-def _features(layer: MoELayer, x: torch.Tensor, kind: str) -> torch.Tensor:
-    bank = layer.experts
+def expert_summaries(layer: MoELayer, x_fit: torch.Tensor, cfg: MergeOptions) -> dict[str, torch.Tensor]:
+    """What the grouping reads of each routed expert of ``layer`` (the whole layer, or a chunk's sub-layer:
+    rows in expert order, so chunks concatenate): ``output`` ``[n, H]`` the mean output over the fit
+    tokens (``similarity: output``); ``tokens`` ``[n, T, H]`` the outputs on the first ``AUTO_TOKENS`` fit
+    tokens (``similarity: output_tokens``, and ``target_experts: auto``). ``router`` needs the router only,
+    ``weight`` the weights themselves (nothing here)."""
+    bank, n, out = layer.experts, layer.experts.num_experts, {}
+    if cfg.similarity == "output":
+        out["output"] = torch.stack([expert_forward(bank, e, x_fit).float().mean(0) for e in range(n)])
+    if cfg.similarity == "output_tokens" or cfg.target_experts == "auto":
+        xs = x_fit[:AUTO_TOKENS]
+        out["tokens"] = torch.stack([expert_forward(bank, e, xs).float() for e in range(n)])
+    return out
+
+
+def _features(layer: MoELayer, x: torch.Tensor, kind: str, sums: dict[str, torch.Tensor]) -> torch.Tensor:
     if kind == "output":
-        return torch.stack([expert_forward(bank, e, x).float().mean(0) for e in range(bank.num_experts)])
+        return sums["output"]
     if kind == "output_tokens":  # functional distance: E_t ‖E_i(x_t) − E_j(x_t)‖² on the same tokens
-        xs = x[:AUTO_TOKENS]
-        return torch.stack([expert_forward(bank, e, xs).float().flatten() for e in range(bank.num_experts)])
+        return sums["tokens"].flatten(1)
     if kind == "router":
         logits = router_logits(layer, x)
         return (logits - logits.mean(1, keepdim=True)).T.contiguous()
-    return torch.cat([getattr(bank, p).dense().float().flatten(1) for p in PROJ], dim=1)
+    return torch.cat([getattr(layer.experts, p).dense().float().flatten(1) for p in PROJ], dim=1)
 
 
-def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePlan:
-    """Checks, splits ``io_sample`` into fit / held-back tokens and groups the experts."""
+def fit_held(stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``io_sample``'s fit and held-back halves (both the one token when there is one)."""
+    x = stats["io_sample_x"].float()
+    half = (x.shape[0] + 1) // 2
+    return (x, x) if x.shape[0] < 2 else (x[:half], x[half:])
+
+
+def plan_merge(
+    layer: MoELayer, stats: LayerStats, cfg: MergeOptions, summaries: dict[str, torch.Tensor] | None = None
+) -> MergePlan:
+    """Checks, splits ``io_sample`` into fit / held-back tokens and groups the experts. ``summaries``: the
+    experts' :func:`expert_summaries` gathered over chunks of experts (``layer`` is then the shell: the
+    routed experts are not read)."""
     t = check_mergeable(layer, cfg)
     e = layer.router.num_experts
     counts = stats["expert_counts"].double().flatten()
@@ -419,18 +490,24 @@ def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePl
             f"statistic 'expert_counts' covers {counts.numel()} experts but the layer has {e}: statistics "
             "describe the input checkpoint, so merge before any step that removes experts"
         )
-    x = stats["io_sample_x"].float()
-    half = (x.shape[0] + 1) // 2
-    x_fit, x_held = (x, x) if x.shape[0] < 2 else (x[:half], x[half:])
+    x_fit, x_held = fit_held(stats)
+    sums = summaries
+
+    def summary() -> dict[str, torch.Tensor]:
+        nonlocal sums
+        if sums is None:
+            sums = expert_summaries(layer, x_fit, cfg)
+        return sums
+
     auto = None
     if cfg.target_experts == "auto":
-        t, auto = choose_count(layer, x_fit)
+        t, auto = choose_count(layer, x_fit, summary()["tokens"])
     elif isinstance(cfg.target_experts, MergeBudget):
         t = stats.plan if stats.plan is not None else e
         if not 1 <= t <= e:
             raise PassError(f"{_what(cfg)}: the plan keeps {t} of the layer's {e} experts")
         auto = {"budget": cfg.target_experts.model_dump(exclude_none=True), "groups": t}
-    feats = _features(layer, x_fit, cfg.similarity) if t < e else torch.zeros(e, 1)
+    feats = _features(layer, x_fit, cfg.similarity, summary()) if t < e else torch.zeros(e, 1)
     groups: list[list[int]] = []
     bl = blocks(layer, cfg)
     for b in bl:
@@ -447,6 +524,117 @@ def plan_merge(layer: MoELayer, stats: LayerStats, cfg: MergeOptions) -> MergePl
     groups.sort(key=lambda g: g[0])
     bases = [max(g, key=lambda m: (float(counts[m]), -m)) for g in groups]
     return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held, auto=auto)
+
+
+# -- by chunks of experts (Chunking("group")) -------------------------------------------------------------
+def refuse_chunks(cfg: MergeOptions) -> str | None:
+    """A merging configuration that cannot run on a layer held by chunks of experts, with the fix."""
+    if cfg.similarity == "weight":
+        return ("groups by the experts' flattened weights (similarity: weight), every expert at once; use "
+                "similarity: output_tokens, output or router, or expert_chunk: off")  # fmt: skip
+    return None
+
+
+def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: dict | None) -> dict:
+    """The first sweep's fold: a chunk's :func:`expert_summaries`, in chunk order."""
+    part = expert_summaries(sub, fit_held(stats)[0], cfg)
+    acc = acc if acc is not None else {k: [] for k in part}
+    for k, v in part.items():
+        acc[k].append(v)
+    return acc
+
+
+@dataclass
+class GroupDecision:
+    """A merging step's decision on a layer held by chunks: the groups (``plan``, made on the shell) and
+    the layer after the step (``shell``: router, expert map, experts on ``meta``); ``info`` its part of the
+    step's info; ``shared``: the shared expert's output on the held-back tokens (``rel_error_held``)."""
+
+    plan: MergePlan
+    shell: MoELayer
+    info: dict
+    shared: torch.Tensor | None
+
+    def units(self, size: int) -> list[tuple[int, int]]:
+        """Consecutive groups ``[lo, hi)`` of at most ``size`` members together (a larger group alone)."""
+        out, lo, n = [], 0, 0
+        for g, members in enumerate(self.plan.groups):
+            if g > lo and n + len(members) > size:
+                out.append((lo, g))
+                lo, n = g, 0
+            n += len(members)
+        if lo < len(self.plan.groups):
+            out.append((lo, len(self.plan.groups)))
+        return out
+
+    def members(self, lo: int, hi: int) -> list[int]:
+        """The input experts of groups ``[lo, hi)``, ascending (the order :meth:`MergePlan.unit` reads)."""
+        return sorted(m for g in self.plan.groups[lo:hi] for m in g)
+
+
+def fit_groups(acc: dict | None, shell: MoELayer, stats: LayerStats, cfg: MergeOptions) -> GroupDecision:
+    """The groups from the summaries gathered over the chunks (exactly the whole layer's: the same
+    features, rows in expert order), and the layer the step makes (its experts on ``meta``)."""
+    sums = {k: torch.cat(v) for k, v in (acc or {}).items()}
+    plan = plan_merge(shell, stats, cfg, sums)
+    after = plan.build({})  # shapes: every group's tensors taken from the meta bank
+    info = {
+        "groups": plan.groups, "bases": plan.bases, "router": cfg.router,
+        "num_experts_before": shell.router.num_experts, "num_experts_after": after.experts.num_experts,
+        "routed_params_before": shell.experts.num_params(), "routed_params_after": after.experts.num_params(),
+        "bytes_before": shell.nbytes(), "bytes_after": after.nbytes(), "fit_tokens": int(plan.x_fit.shape[0]),
+        "held_tokens": int(plan.x_held.shape[0]),
+    }  # fmt: skip
+    if plan.auto is not None:
+        info["choose_groups"] = plan.auto
+    if cfg.router == "collapse" and after is not shell:
+        info["kept_experts"] = plan.bases
+    shared = shared_forward(shell, plan.x_held) if shell.shared is not None else None
+    for part in ("fit", "held"):  # the whole router's routing, once per layer
+        plan._routes[part] = route(shell, plan.x_fit if part == "fit" else plan.x_held)
+    return GroupDecision(plan, after, info, shared)
+
+
+def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_groups, cfg: MergeOptions):
+    """Groups ``[lo, hi)`` merged from ``bank`` (their members, :meth:`GroupDecision.members`):
+    ``(their physical experts, the unit's info)``; the info carries the unit's shares of the routed outputs
+    on the held-back tokens before and after (summed by :func:`merge_units`)."""
+    unit = dec.plan.unit(lo, hi, bank)
+    merged, extra = merge_groups(unit, cfg, lo)
+    new = unit.bank_of(merged)
+    x = unit.x_held
+    ids, w = unit._routes["held"]
+    lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)
+    lut[torch.tensor(dec.members(lo, hi))] = torch.arange(bank.num_experts)
+    before = experts_forward(bank, x, lut[ids], w)
+    a_ids, a_w = route(dec.shell, x)
+    if dec.shell.expert_map is not None:
+        a_ids = dec.shell.expert_map[a_ids]
+    local = torch.where((a_ids >= lo) & (a_ids < hi), a_ids - lo, torch.full_like(a_ids, hi - lo))
+    after = experts_forward(new, x, local, a_w)
+    return new, {**extra, "neurons_moved": unit.moved, "_held": (before, after)}
+
+
+def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDecision) -> dict:
+    """The layer's info from its units' (:func:`run_unit`), as a whole-layer run reports it."""
+    before = sum(i["_held"][0] for i in infos)
+    after = sum(i["_held"][1] for i in infos)
+    if dec.shared is not None:
+        before, after = before + dec.shared, after + dec.shared
+    x = dec.plan.x_held
+    out = {**dec.info, "neurons_moved": sum(i["neurons_moved"] for i in infos),
+           "rel_error_held": relative_error(before.to(x.dtype), after.to(x.dtype)) if dec.shell is not dec.plan.layer else 0.0}  # fmt: skip
+    for info in infos:
+        for k, v in info.items():
+            if k in ("_held", "neurons_moved"):
+                continue
+            if isinstance(v, list):
+                out.setdefault(k, []).extend(v)
+            elif isinstance(v, dict):
+                out.setdefault(k, {}).update(v)
+            else:
+                out[k] = v
+    return out
 
 
 def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:

@@ -35,6 +35,7 @@ from moecompress.methods.merging import Params, combine, sub
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
+    MergePlan,
     check_mergeable,
     chosen_later,
     merge_needs,
@@ -58,9 +59,9 @@ def _summarize(infos: dict[int, dict], cfg: MergeExpertsConfig) -> dict:
     return out
 
 
-def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -> tuple[MoELayer, dict]:
-    """Merge experts into fewer by their mean or usage-weighted mean (HC-SMoE / M-SMoE baselines)."""
-    plan = plan_merge(layer, stats, cfg)
+def merge_groups(plan: MergePlan, cfg: MergeExpertsConfig, first: int = 0) -> tuple[dict[int, Params], dict]:
+    """The merged experts of ``plan``'s groups with two or more members, and the ``weights`` entry
+    (``first``: the layer's number of the plan's first group, for a :meth:`MergePlan.unit`)."""
     merged: dict[int, Params] = {}
     weights = {}
     for g, members in enumerate(plan.groups):
@@ -70,9 +71,16 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
         w = plan.weights(g) if cfg.method == "frequency" else [1 / len(params)] * len(params)
         w = [float(v) for v in w]
         merged[g] = combine(params[0], [sub(p, params[0]) for p in params[1:]], w[1:])
-        weights[str(g)] = w  # base first
+        weights[str(first + g)] = w  # base first
+    return merged, {"method": cfg.method, "weights": weights}
+
+
+def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -> tuple[MoELayer, dict]:
+    """Merge experts into fewer by their mean or usage-weighted mean (HC-SMoE / M-SMoE baselines)."""
+    plan = plan_merge(layer, stats, cfg)
+    merged, info = merge_groups(plan, cfg)
     new = plan.build(merged)
-    return new, {**plan.info(new), "method": cfg.method, "weights": weights}
+    return new, {**plan.info(new), **info}
 
 
 SPEC = PassSpec(

@@ -63,6 +63,7 @@ from moecompress.methods.merging import Params, combine, dot, nash_weights, norm
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
+    MergePlan,
     check_mergeable,
     chosen_later,
     merge_needs,
@@ -133,10 +134,10 @@ def refine(
     return best, losses
 
 
-def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELayer, dict]:
-    """Merge experts into fewer with Nash-bargaining weights (NAMEx, post hoc); remap or collapse the router."""
-    plan = plan_merge(layer, stats, cfg)
-    bank = layer.experts
+def merge_groups(plan: MergePlan, cfg: NamexConfig, first: int = 0) -> tuple[dict[int, Params], dict]:
+    """Steps 2-3 (bargaining, γ) on ``plan``'s groups with two or more members: the merged experts and the
+    ``merged_groups`` report (member ids are the layer's, so ``first`` is not needed)."""
+    bank = plan.layer.experts
     merged: dict[int, Params] = {}
     report: list[dict] = []
     for g, members in enumerate(plan.groups):
@@ -168,7 +169,13 @@ def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELaye
             "solver_residual": residual, "solver_iterations": iters, "gamma0": gamma0, "gamma_rel": r,
             "gamma": r * gamma0, "group_error_by_gamma": errs,
         })  # fmt: skip
-    info: dict = {"merged_groups": report}
+    return merged, {"merged_groups": report}
+
+
+def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELayer, dict]:
+    """Merge experts into fewer with Nash-bargaining weights (NAMEx, post hoc); remap or collapse the router."""
+    plan = plan_merge(layer, stats, cfg)
+    merged, info = merge_groups(plan, cfg)
     if cfg.refine_steps and merged:
         merged = _refine_all(plan, merged, cfg, info)
     new = plan.build(merged)

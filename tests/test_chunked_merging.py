@@ -1,0 +1,73 @@
+"""namex / merge_experts on a layer held by chunks of experts: the groups decided from per-expert summaries
+gathered chunk by chunk are the whole layer's, and merging group by group (each group's members read expert
+by expert) gives the whole layer's merged experts, bit for bit, and its held-back error to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_namex import make_layer, make_stats
+
+from moecompress.engine import chunks
+from moecompress.ir import ExpertBank
+from moecompress.layouts.dense import Dense
+from moecompress.passes import merge_experts as me
+from moecompress.passes import namex as nx
+from moecompress.passes.expert_merging import fit_groups, gather_summaries, merge_units, run_unit
+
+PROJ = ("gate", "up", "down")
+CONFIGS = [
+    ("frequency", {"ratio": 0.5}),  # output_tokens, ward
+    ("average", {"ratio": 0.25, "similarity": "output", "linkage": "average"}),
+    ("frequency", {"target_experts": 3, "similarity": "router", "router": "collapse"}),
+    ("frequency", {"target_experts": "auto"}),
+    ("namex", {"ratio": 0.5, "refine_steps": 0}),
+    ("namex", {"ratio": 0.5, "refine_steps": 0, "router": "collapse", "align": False}),
+]
+
+
+def _pass(name: str, kw: dict):
+    if name == "namex":
+        return nx.namex, nx.merge_groups, nx.NamexConfig(**kw)
+    return me.merge_experts, me.merge_groups, me.MergeExpertsConfig(method=name, **kw)
+
+
+def _cat(banks: list[ExpertBank]) -> ExpertBank:
+    return ExpertBank(*(Dense(torch.cat([getattr(b, p).dense() for b in banks])) for p in PROJ))
+
+
+def _shell(layer):
+    bank = layer.experts
+    return layer.replace(experts=ExpertBank(*(Dense(getattr(bank, p).dense().to("meta")) for p in PROJ)))
+
+
+@pytest.mark.parametrize(("name", "kw"), CONFIGS)
+@pytest.mark.parametrize("size", [3, 5])
+def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size):
+    layer = make_layer(seed=7, copies=(1, 6))
+    stats = make_stats(layer, n=96)
+    whole_fn, merge_groups, cfg = _pass(name, kw)
+    whole, info = whole_fn(layer, stats, cfg)
+    acc = None
+    for a, b in chunks.bounds(8, size):  # the first sweep: each chunk's summaries
+        acc = gather_summaries(chunks.sub_layer(layer, chunks.meta_bank(layer.experts, a, b), a), stats, cfg, acc)
+    dec = fit_groups(acc, _shell(layer), stats, cfg)
+    assert dec.plan.groups == info["groups"] and dec.plan.bases == info["bases"]
+    assert dec.shell.experts.num_experts == whole.experts.num_experts
+    if whole.expert_map is not None:
+        assert torch.equal(dec.shell.expert_map, whole.expert_map)
+    assert torch.equal(dec.shell.router_weight, whole.router_weight)
+    banks, infos, units = [], [], dec.units(size)
+    assert all(len(dec.members(lo, hi)) <= size or hi - lo == 1 for lo, hi in units)
+    for lo, hi in units:  # the second sweep: each unit's members read expert by expert
+        bank = _cat([chunks.meta_bank(layer.experts, e, e + 1) for e in dec.members(lo, hi)])
+        new, part = run_unit(dec, lo, hi, bank, merge_groups, cfg)
+        banks.append(new)
+        infos.append(part)
+    got = _cat(banks)
+    for p in PROJ:
+        assert torch.equal(getattr(got, p).dense(), getattr(whole.experts, p).dense()), p
+    out = merge_units(infos, units, dec)
+    assert out["rel_error_held"] == pytest.approx(info["rel_error_held"], rel=1e-5, abs=1e-7)
+    for k in ("groups", "bases", "num_experts_after", "bytes_after", "neurons_moved", "weights", "merged_groups"):
+        assert out.get(k) == info.get(k), k
