@@ -137,8 +137,8 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
     """Layer ``i``'s outputs for every batch of ``hidden`` and its forward statistics' collector.
     ``hidden[b]`` is released (set to ``None``) once recorded unless ``keep_inputs``. ``save_experts(i, a,
     stats)``: given, the per-expert covariances (:data:`~moecompress.calibration.stats.SPILLED`) of every
-    chunk ``[a, b)`` are handed to it once the chunk is done and not held (the collector's ``result`` has
-    the rest)."""
+    expert ``a`` of a chunk are handed to it, expert by expert, once the chunk is done, and not held (the
+    collector's ``result`` has the rest)."""
     layer = ChunkedLayer(skel, i, size)
     col, dev, cpu = layer.collector(needs, sample_tokens, spill=save_experts is not None), skel.device, torch.device("cpu")
     mod = layer.module()
@@ -170,8 +170,9 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
                 col.resume_batch(states[b], u)
                 _, _, w = states[b]
                 expert_partials(bank, u, phys[b], w, outs[b], accs[b], col, first)
-            if save_experts is not None:
-                save_experts(i, first, col.spill(first, first + bank.num_experts))
+            if save_experts is not None:  # expert by expert: one expert's rows and writer copy at a time
+                for e in range(first, first + bank.num_experts):
+                    save_experts(i, e, col.spill(e, e + 1))
             del bank
         result = []
         for b, u in enumerate(us):

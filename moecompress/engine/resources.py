@@ -77,8 +77,8 @@ def collector_bytes(stats: Mapping[str, int], kind: str, spilled: frozenset[str]
     float32 bytes of each statistic (``stats``: name -> bytes, :func:`stat_bytes`) of ``kind`` (``forward``
     or ``backward``): the float64 sums (twice their float32 bytes), and while ``result`` converts them, the
     largest one's float64 mean and every float32 result (``3·S + 2·L``). ``spilled`` (a chunk's share of the
-    per-expert covariances, ``StatsCollector.spill``): their float64 sums, which the float32 rows replace
-    as they are finished, then the rows and the writer's copy of one (``2·S``, as ``L ≤ S``)."""
+    per-expert covariances, ``StatsCollector.spill``): their float64 sums (``2·S``), handed out and written
+    one expert at a time."""
     mine = [b for name, b in stats.items() if name in CATALOGUE and CATALOGUE[name].kind == kind and name not in spilled]
     apart = sum(b for name, b in stats.items() if name in spilled and CATALOGUE[name].kind == kind)
     return 3 * sum(mine) + 2 * max(mine, default=0) + 2 * apart
