@@ -71,3 +71,63 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     assert out["rel_error_held"] == pytest.approx(info["rel_error_held"], rel=1e-5, abs=1e-7)
     for k in ("groups", "bases", "num_experts_after", "bytes_after", "neurons_moved", "weights", "merged_groups"):
         assert out.get(k) == info.get(k), k
+
+
+# -- through the engine: expert_chunk: N -------------------------------------------------------------------
+CAL = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4}
+PROTECT = {"protect_super_experts": {"manual": [{"layer": 1, "experts": [2, 6]}]}}
+
+
+def _run(model, out, steps, chunk, cache):
+    import moecompress as mc
+
+    rec = {"model": str(model), "output": str(out), "steps": steps, "expert_chunk": chunk,
+           "calibration": {**CAL, "cache_dir": str(cache)}}  # fmt: skip
+    return mc.apply(rec, progress=False)
+
+
+def _files(out):
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.get("moecompress", {}).pop("recipe_hash", None)
+    return {p.name: p.read_bytes() for p in out.glob("*.safetensors")}, cfg
+
+
+def _rows(out, name):
+    import json
+
+    (f,) = [f for f in out.glob("steps/*/report.json") if name in f.parent.name]
+    return json.loads(f.read_text())["layers"]
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [
+        ("merge_experts", {"ratio": 0.5}),
+        ("merge_experts", {"ratio": 0.25, "router": "collapse", "similarity": "router"}),
+        ("namex", {"ratio": 0.5, "refine_steps": 0}),
+    ],
+)
+def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, name, cfg):
+    from tiny import save_tiny
+
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    steps = [PROTECT, {name: cfg}]
+    _run(tmp_path / "m", tmp_path / "whole", steps, "off", tmp_path / "c")
+    _run(tmp_path / "m", tmp_path / "chunk", steps, 3, tmp_path / "c")
+    (wt, wc), (ct, cc) = _files(tmp_path / "whole"), _files(tmp_path / "chunk")
+    assert wc == cc and wt.keys() == ct.keys()
+    for k in wt:
+        assert wt[k] == ct[k], k
+    for ra, rb in zip(_rows(tmp_path / "whole", name), _rows(tmp_path / "chunk", name), strict=True):
+        for k in ("layer", "params_before", "params_after", "bytes_before", "bytes_after", "changed"):
+            assert ra[k] == rb[k], k
+        assert rb["rel_error"] == pytest.approx(ra["rel_error"], rel=1e-4)
+        ia, ib = ra["info"], rb["info"]
+        assert ia.keys() == ib.keys()
+        for k, v in ia.items():
+            if k == "rel_error_held":
+                assert ib[k] == pytest.approx(v, rel=1e-5, abs=1e-7)
+            else:
+                assert ib[k] == v, k

@@ -26,21 +26,30 @@ def _plan(model, tmp_path, steps, chunk, **cal):
 
 
 @pytest.mark.parametrize(
-    "step",
+    ("step", "why"),
     [
-        {"namex": {"ratio": 0.25}},
-        {"merge_experts": {"ratio": 0.25}},
+        ({"namex": {"ratio": 0.25}}, r"keeps its refinement \(refine_steps: 10\).*use refine_steps: 0"),
+        ({"merge_experts": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights.*use similarity: output_tokens"),
     ],
 )
-def test_a_step_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step):
+def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step, why):
     name = next(iter(step))
-    with pytest.raises(RecipeError) as err:
+    with pytest.raises(RecipeError, match=rf"step 1 \({name}\), layer \d+: {why}") as err:
         _plan(model, tmp_path, [step], 3)
     msg = str(err.value)
-    assert "\n" not in msg
-    assert f"step 1 ({name}), layer " in msg and "needs every expert of the layer at once" in msg
-    assert "GiB for the whole layer" in msg and "expert_chunk: off" in msg
+    assert "\n" not in msg and "GiB for the whole layer" in msg and "expert_chunk: off" in msg
     _plan(model, tmp_path, [step], "off")  # whole layers: accepted
+
+
+@pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25, "refine_steps": 0}}, {"merge_experts": {"ratio": 0.25}}])
+def test_merging_runs_by_chunks_but_not_with_another_changing_step(model, tmp_path, step):
+    name = next(iter(step))
+    _plan(model, tmp_path, [{"protect_super_experts": {}}, step], 3)  # by units of groups
+    with pytest.raises(
+        RecipeError, match=rf"step 1 \({name}\), layer \d+: merges groups .* step 2 \(rtn\) cannot follow.*expert_chunk: off"
+    ) as err:
+        _plan(model, tmp_path, [step, {"rtn": {"bits": 4}}], 3)
+    assert "\n" not in str(err.value)
 
 
 def test_layer_ranking_without_plan_is_refused_with_the_fix(model, tmp_path):

@@ -19,10 +19,13 @@ rank and its parts received here (:mod:`moecompress.engine.expert_shard`); the c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
+
 from moecompress.engine import chunks
-from moecompress.engine.chunk_work import ErrPart, StepPart, prepare
+from moecompress.engine.chunk_work import ErrPart, StepPart, encode_chunk, prepare, skeleton
 from moecompress.engine.expert_shard import layer_chunks
 from moecompress.engine.layer_loop import raw_selection, write_raw
 from moecompress.engine.resources import release_freed, rss_mb
@@ -30,7 +33,7 @@ from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output
 from moecompress.io.routing import stored_policy
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import ExpertBank, MoELayer, layer_to
 from moecompress.methods.metrics import relative_error, sqnr_db
 from moecompress.report.write import json_safe
 
@@ -44,6 +47,9 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
     plans = [run.plans.get(s.number, {}).get(idx) for s in steps]
     lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
     shell0, shells, kept_of, infos, secs, err = lp.shells[0], lp.shells, lp.kept_of, lp.infos, lp.secs, lp.err
+    grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
+    if grouped:
+        return _grouped_layer(run, lp, size, grouped[0])
     raw = _raw_writes(run, idx, steps, shells, kept_of)
     for s, writes in raw.items():
         write_raw(run.writers[steps[s].number], writes)
@@ -81,6 +87,61 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
         del chunk
         release_freed()  # the chunk's memory back to the system before the next chunk is read
     _finish(run, idx, shells, parts, infos, chunk_infos, bnds, changed, secs, written, stock, err, raw)
+
+
+def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
+    """A layer whose merging step (``Chunking('group')``, step ``g``) runs by units of groups: the earlier
+    steps only protect, the later ones only report (:func:`chunk_work.prepare` checks). Per unit, its
+    members are read (runs of consecutive ids), their share of the original error sum added, the unit's
+    output experts made, written and added to the merged layer's error sum."""
+    steps, idx = run.rec.steps, lp.idx
+    if run.ctx.ranks.world_size > 1:
+        raise PassError(f"{steps[g].label}, layer {idx}: merging by chunks of experts runs in one process; "
+                        "run it without torchrun, or expert_chunk: off")  # fmt: skip
+    written = [s for s, step in enumerate(steps) if step.number in run.writers]
+    early = [s for s in written if s < g]
+    if early:
+        raise PassError(f"{steps[early[0]].label}, layer {idx}: a step written before a merge by chunks of experts; "
+                        "write the merge's output only, or expert_chunk: off")  # fmt: skip
+    step, mode, dec, shells, err = steps[g], steps[g].spec.chunking, lp.preludes[g], lp.shells, lp.err
+    dev, host = torch.device(run.ctx.device), torch.device("cpu")
+    where = dev if step.spec.on_device else host
+    e_in, n_out = shells[g].router.num_experts, dec.shell.experts.num_experts
+    emap = dec.shell.expert_map if dec.shell.expert_map is not None else torch.arange(n_out)
+    secs, stock = lp.secs, {}
+    parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
+    parts[g], infos, bnds = [], [], []
+    for lo, hi in dec.units(size):
+        t0 = time.perf_counter()
+        mem = dec.members(lo, hi)
+        bank = chunks.cat_banks([lp.ckpt.read_experts(idx, a, b) for a, b in chunks.runs(mem)])
+        n = bank.num_experts
+        if err is not None:
+            rows = torch.full((e_in,), n, dtype=torch.long)
+            rows[torch.tensor(mem)] = torch.arange(n)
+            err.add(err.part_rows(0, bank, rows))
+        new, info = mode.unit(dec, lo, hi, layer_to(bank, where) if where != host else bank, step.config)
+        new = layer_to(chunks.sub_layer(shells[0], new, 0), host).experts
+        if err is not None:
+            rows = torch.where((emap >= lo) & (emap < hi), emap - lo, torch.full_like(emap, hi - lo))
+            err.add(err.part_rows(g + 1, new, rows))
+        parts[g].append(skeleton(new))
+        infos.append(info)
+        bnds.append((lo, hi))
+        if g in written:
+            out = chunks.sub_layer(shells[0], new, 0)
+            is_stock, writes = encode_chunk(lp.ckpt, idx, out, lo, stock=False if dec.shell.expert_map is not None else None)
+            _write_chunk(run, idx, step.number, StepPart(g, lo, None, 0.0, stock=is_stock, writes=writes), stock)
+        secs[g] += time.perf_counter() - t0
+        run.peak[step.number] = max(run.peak[step.number], rss_mb())
+        del bank, new
+        release_freed()
+    for s in range(g + 1, len(steps)):
+        parts[s] = parts[g]
+    lp.infos[g] = mode.merge(infos, bnds, dec)
+    changed = [shells[s + 1] is not shells[s] for s in range(len(steps))]
+    _finish(run, idx, shells, parts, lp.infos, [[] for _ in steps], [[] for _ in steps], changed, secs,
+            written, stock, err, {})  # fmt: skip
 
 
 def _raw_writes(run: RecipeRun, idx: int, steps, shells, kept_of) -> dict[int, list]:

@@ -59,7 +59,7 @@ def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None =
     ``layer``: its shapes (read from the shard headers when not given)."""
     if i in ckpt.layouts or follow.required(recipe.steps, recipe.recalibrates):
         return False
-    if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None:
+    if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None or group_conflict(recipe.steps):
         return False
     if any(refusal(s) is not None for s in recipe.steps):
         return False
@@ -93,6 +93,22 @@ def calibration_cap(
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
     return math.ceil(e / math.ceil(e / lo))  # balanced: as many chunks, none smaller than the others
+
+
+def group_conflict(steps) -> tuple | None:
+    """``(merge, other)``: a merging step by chunks (``Chunking('group')``, its units groups of experts) with
+    a step that changes the layer in the same recipe (only selections of no expert, such as protection,
+    may come before it; only reports after it); ``None``: none."""
+    for s, step in enumerate(steps):
+        if step.spec.chunking is None or step.spec.chunking.mode != "group":
+            continue
+        for j, other in enumerate(steps):
+            if j == s or other.spec.report_only or not other.spec.alters_for(other.config):
+                continue
+            if j < s and other.spec.chunking is not None and other.spec.chunking.mode == "select":
+                continue
+            return step, other
+    return None
 
 
 def refusal(step, layer: MoELayer | None = None) -> str | None:
@@ -173,6 +189,14 @@ def check_chunked(
             f"{step.label}, layer {i}: fits what every expert shares over all the chunks before it projects each, so "
             f"{earlier.label} would have to run twice on every chunk, but {how}; set calibration.recalibrate: auto "
             f"(a new segment from {step.spec.name}), run them as two recipes, or set expert_chunk: off"
+        )
+    merging = group_conflict(recipe.steps)
+    if merging is not None:
+        step, other = merging
+        raise RecipeError(
+            f"{step.label}, layer {i}: merges groups of experts read group by group, which {other.label} cannot "
+            f"follow in the same recipe, but {how}; run {other.spec.name} in a recipe of its own, or set "
+            "expert_chunk: off"
         )
     if follow.required(recipe.steps, recipe.recalibrates):
         raise RecipeError(

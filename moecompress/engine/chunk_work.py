@@ -167,6 +167,16 @@ class Errors:
         top = TopActivation()
         return ErrPart(state, experts_forward(b, self.hx, local, w, None, top), top.value)
 
+    def part_rows(self, state: int, bank: ExpertBank, local_of: torch.Tensor) -> ErrPart:
+        """As :meth:`part`, for a bank holding the experts of state ``state`` that ``local_of`` ``[E_logical]``
+        maps to their rows (``bank.num_experts``: not held): a unit of groups of a merging step
+        (``Chunking('group')``), its members before, its output experts after (through the expert map)."""
+        ids, w = self.routes[state]
+        local = local_of.to(ids.device)[ids]
+        b = cast_layer(layer_to(chunks.sub_layer(self.shells[0], bank, 0), self.dev), self.dtype).experts
+        top = TopActivation()
+        return ErrPart(state, experts_forward(b, self.hx, local, w, None, top), top.value)
+
     def add(self, part: ErrPart) -> None:
         self.acc[part.state] += part.acc.to(self.dev)
         top = self.tops[part.state]
@@ -211,6 +221,14 @@ def prepare(
             new, infos[s] = _shell_step(step, shells[-1], st)
             kept_of.append(infos[s].get(RENUMBER_KEY) if new is not shells[-1] else None)
             kinds.append(None)
+        elif mode.mode == "group":  # the layer after it: from its first sweep's decision, below
+            _check_group(steps, s, kept_of, idx)
+            why = mode.refuse(step.config) if mode.refuse is not None else None
+            if why is not None:
+                raise PassError(f"{step.label}, layer {idx}: {why}")
+            new = shells[-1]
+            kept_of.append(None)
+            kinds.append(None)
         else:
             new = shells[-1]
             kept_of.append(None)
@@ -225,10 +243,8 @@ def prepare(
                     raise PassError(f"{step.label}, layer {idx}: {e}") from None
         secs[s] += time.perf_counter() - t0
         shells.append(new)
-    hx = stats[dev].get("holdout_x")
-    err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
     rows = ExpertRows(entry, idx) if entry is not None else None
-    lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, err, rows, preludes)
+    lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, None, rows, preludes)
     for s, step in enumerate(steps):
         if step.spec.chunking.gather is not None:
             if size is None:
@@ -236,7 +252,29 @@ def prepare(
             t0 = time.perf_counter()
             preludes[s] = gather(lp, s, size)
             secs[s] += time.perf_counter() - t0
+            if step.spec.chunking.mode == "group":  # the merged layer's shell, for this step and the later ones
+                placeholder = shells[s + 1]
+                for j in range(s + 1, len(shells)):
+                    if shells[j] is placeholder:
+                        shells[j] = preludes[s].shell
+    hx = stats[dev].get("holdout_x")
+    lp.err = Errors(shells, hx.to(ctx.dtype), dev, ctx.dtype) if hx is not None else None
     return lp
+
+
+def _check_group(steps: list, s: int, kept_of: list, idx: int) -> None:
+    """A merging step by chunks (``Chunking('group')``) is the first step of its segment that changes the
+    layer and the last (report-only steps aside): its units are groups, not chunks of the input."""
+    step = steps[s]
+    for j, other in enumerate(steps):
+        if j == s or other.spec.report_only or not other.spec.alters_for(other.config):
+            continue
+        if j < s and other.spec.chunking.mode == "select" and kept_of[j] is None:
+            continue
+        where = "before" if j < s else "after"
+        raise PassError(f"{step.label}, layer {idx}: merges groups of experts read group by group, which "
+                        f"{other.label} {where} it cannot follow on a layer held by chunks; run it in its "
+                        "own recipe, or expert_chunk: off")  # fmt: skip
 
 
 def gather(lp: LayerPlan, s: int, size: int) -> Any:
@@ -341,18 +379,19 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
 
 
 def encode_chunk(
-    ckpt: Checkpoint, idx: int, out: MoELayer, g0: int
+    ckpt: Checkpoint, idx: int, out: MoELayer, g0: int, stock: bool | None = None
 ) -> tuple[bool, list[tuple[str, str, torch.Tensor]]]:
     """One chunk's routed experts of a written step, as ``(stock, [(how, name, tensor)])``: ``how`` is
     ``add`` for per-expert names under their ids in the layer, ``append`` for segments of fused ``[E, ...]``
     tensors; index vectors and the router come with the whole layer. The bank's input rotation (one
     ``[H, H]`` for the layer, the same in every chunk) and its layouts' shared tensors (``Layout.shared``:
-    ``Tucker``'s factors) are added by the chunk holding the layer's first expert (``g0 == 0``)."""
+    ``Tucker``'s factors) are added by the chunk holding the layer's first expert (``g0 == 0``). ``stock``:
+    the layer's on-disk form when the chunk alone cannot tell it (merged experts: the expert map)."""
     ad = ckpt.adapter
     rotation = f"{ad.experts_key(idx)}.rotation"
     once = {rotation} | {f"{ad.experts_key(idx)}.{p}.{k}" for p in chunks.PROJ
                          for k in type(getattr(out.experts, p)).shared}  # fmt: skip
-    mode = is_stock(out, ad)
+    mode = is_stock(out, ad) if stock is None else stock
     if mode:
         skip = set(ad.router_keys(idx))
         tensors = ad.layer_tensors(out)

@@ -117,6 +117,30 @@ def meta_bank(bank: ExpertBank, a: int, b: int) -> ExpertBank:
                       limit=bank.limit)  # fmt: skip
 
 
+def cat_banks(banks: list[ExpertBank]) -> ExpertBank:
+    """Dense banks' experts one after the other (a unit of groups' members, read in runs of ids)."""
+    first = banks[0]
+    if len(banks) == 1:
+        return first
+    for b in banks:
+        if not all(isinstance(getattr(b, p), Dense) for p in PROJ) or b.widths is not None or b.rotation is not None:
+            raise PassError("only dense experts can be read group by group")
+    lays = [Dense(torch.cat([getattr(b, p).dense() for b in banks])) for p in PROJ]
+    biases = {k: torch.cat([b.biases[k] for b in banks]) for k in first.biases}
+    return ExpertBank(*lays, biases=biases, act=first.act, alpha=first.alpha, limit=first.limit)
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ``ids`` as runs ``[a, b)`` of consecutive ids."""
+    out: list[tuple[int, int]] = []
+    for e in ids:
+        if out and out[-1][1] == e:
+            out[-1] = (out[-1][0], e + 1)
+        else:
+            out.append((e, e + 1))
+    return out
+
+
 # -- selections --------------------------------------------------------------------------------------
 def _take_layout(lay: Layout, idx: torch.Tensor, keep: list[int]) -> Layout:
     if isinstance(lay, Dense):

@@ -126,9 +126,9 @@ def _gathers(step: Any) -> bool:
 
 
 def _changes_experts(step: Any) -> bool:
-    """A per-expert step by chunks (``Chunking`` mode ``expert``) that changes the layer."""
+    """A per-expert (or merging) step by chunks (``Chunking`` mode ``expert``, ``group``) that changes the layer."""
     mode = step.spec.chunking
-    return (mode is not None and mode.mode == "expert" and not step.spec.report_only
+    return (mode is not None and mode.mode in ("expert", "group") and not step.spec.report_only
             and bool(step.spec.alters_for(step.config)))  # fmt: skip
 
 

@@ -208,7 +208,17 @@ class Chunking:
     starts a new segment at the gathering step (:func:`moecompress.engine.follow.cuts`).
     ``workspace(chunk, cfg) -> bytes``: the step's workspace on a chunk's sub-layer when it differs from
     ``PassSpec.workspace`` on it (both phases of a two-phase step: its accumulators and its fit); the dry
-    run's chunk estimate uses it."""
+    run's chunk estimate uses it.
+
+    ``"group"`` (expert merging: ``namex``, ``merge_experts``): the pass turns groups of experts into one
+    each, groups that need not be contiguous in expert id. ``gather``/``fit`` as above, but ``fit`` returns
+    the layer's *decision*: ``decision.shell`` the layer after the step (router, expert map; experts on
+    ``meta``), ``decision.units(size)`` consecutive output experts ``[lo, hi)`` whose members number at most
+    ``size`` (a larger group alone), ``decision.members(lo, hi)`` their input experts, ascending. The second
+    sweep's units are those: the members are read (runs of consecutive ids at a time),
+    ``unit(decision, lo, hi, bank, cfg) -> (bank, info)`` makes output experts ``[lo, hi)``, and
+    ``merge(infos, bounds, decision)`` the layer's info. It must be the first step of its segment that
+    changes the layer and the last (report-only steps aside)."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
@@ -220,14 +230,17 @@ class Chunking:
     gather: Callable[[MoELayer, LayerStats, Any, Any], Any] | None = None
     fit: Callable[[Any, MoELayer, LayerStats, Any], Any] | None = None
     workspace: Callable[[MoELayer, Any], int] | None = None
+    unit: Callable[[Any, int, int, Any, Any], tuple[Any, dict]] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("expert", "select"):
-            raise ValueError(f"Chunking mode must be 'expert' or 'select', got {self.mode!r}")
-        if self.mode == "expert" and self.merge is None:
-            raise ValueError("Chunking('expert') needs merge(infos, bounds, cfg) -> info")
-        if (self.gather is None) != (self.fit is None) or (self.gather is not None and self.mode != "expert"):
-            raise ValueError("Chunking: gather and fit come together, on an 'expert' step")
+        if self.mode not in ("expert", "select", "group"):
+            raise ValueError(f"Chunking mode must be 'expert', 'select' or 'group', got {self.mode!r}")
+        if self.mode in ("expert", "group") and self.merge is None:
+            raise ValueError(f"Chunking({self.mode!r}) needs merge(infos, bounds, cfg) -> info")
+        if self.mode == "group" and (self.gather is None or self.unit is None):
+            raise ValueError("Chunking('group') needs gather, fit and unit")
+        if (self.gather is None) != (self.fit is None) or (self.gather is not None and self.mode == "select"):
+            raise ValueError("Chunking: gather and fit come together, on an 'expert' or 'group' step")
         if self.gather is not None and self.prelude is not None:
             raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
 

@@ -530,8 +530,8 @@ def plan_merge(
 def refuse_chunks(cfg: MergeOptions) -> str | None:
     """A merging configuration that cannot run on a layer held by chunks of experts, with the fix."""
     if cfg.similarity == "weight":
-        return ("groups by the experts' flattened weights (similarity: weight), every expert at once; use "
-                "similarity: output_tokens, output or router, or expert_chunk: off")  # fmt: skip
+        return ("groups by every expert's flattened weights at once (similarity: weight); use similarity: "
+                "output_tokens, output or router")  # fmt: skip
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.ir import MoELayer
 from moecompress.methods.merging import Params, combine, sub
 from moecompress.passes.expert_merging import (
@@ -38,10 +38,15 @@ from moecompress.passes.expert_merging import (
     MergePlan,
     check_mergeable,
     chosen_later,
+    fit_groups,
+    gather_summaries,
     merge_needs,
+    merge_units,
     merge_workspace,
     merged_shape,
     plan_merge,
+    refuse_chunks,
+    run_unit,
     summarize_merging,
 )
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
@@ -83,6 +88,12 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
     return new, {**plan.info(new), **info}
 
 
+CHUNKING = Chunking(
+    "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=fit_groups,
+    unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
+)  # by units of groups: the groups from per-expert summaries gathered over the chunks
+
+
 SPEC = PassSpec(
     "merge_experts",
     MergeExpertsConfig,
@@ -94,5 +105,6 @@ SPEC = PassSpec(
     plan=plan_budget,
     plans=chosen_later,
     summarize=_summarize, alters=frozenset({"routing", "weights"}),
+    chunking=CHUNKING,
     workspace=lambda layer, cfg: merge_workspace(layer, cfg),
 )

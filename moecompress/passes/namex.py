@@ -56,7 +56,7 @@ import math
 import torch
 from pydantic import Field, field_validator
 
-from moecompress.engine.spec import LayerStats, PassSpec
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
@@ -66,10 +66,15 @@ from moecompress.passes.expert_merging import (
     MergePlan,
     check_mergeable,
     chosen_later,
+    fit_groups,
+    gather_summaries,
     merge_needs,
+    merge_units,
     merge_workspace,
     merged_shape,
     plan_merge,
+    refuse_chunks,
+    run_unit,
     summarize_merging,
 )
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
@@ -241,6 +246,19 @@ def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
     return out
 
 
+def _refuse_chunks(cfg: NamexConfig) -> str | None:
+    if cfg.refine_steps:
+        return (f"keeps its refinement (refine_steps: {cfg.refine_steps}) only if it lowers the whole layer's "
+                "held-back error, every merged expert at once; use refine_steps: 0")  # fmt: skip
+    return refuse_chunks(cfg)
+
+
+CHUNKING = Chunking(
+    "group", merge=merge_units, refuse=_refuse_chunks, gather=gather_summaries, fit=fit_groups,
+    unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
+)  # by units of groups: the groups from per-expert summaries gathered over the chunks
+
+
 SPEC = PassSpec(
     "namex",
     NamexConfig,
@@ -252,5 +270,6 @@ SPEC = PassSpec(
     plan=plan_budget,
     plans=chosen_later,
     summarize=lambda i, c: _summarize(i, c), alters=frozenset({"routing", "weights"}),
+    chunking=CHUNKING,
     workspace=lambda layer, cfg: _workspace(layer, cfg),
 )
