@@ -102,17 +102,20 @@ def _rows(out, name):
 
 
 @pytest.mark.parametrize(
-    ("name", "cfg"),
+    ("model_type", "name", "cfg"),
     [
-        ("merge_experts", {"ratio": 0.5}),
-        ("merge_experts", {"ratio": 0.25, "router": "collapse", "similarity": "router"}),
-        ("namex", {"ratio": 0.5, "refine_steps": 0}),
+        ("qwen3_moe", "merge_experts", {"ratio": 0.5}),
+        ("qwen3_moe", "merge_experts", {"ratio": 0.25, "router": "collapse", "similarity": "router"}),
+        ("qwen3_moe", "merge_experts", {"target_experts": "auto", "method": "average"}),
+        ("qwen3_moe", "namex", {"ratio": 0.5, "refine_steps": 0}),
+        ("deepseek_v3", "namex", {"ratio": 0.25, "refine_steps": 0}),
     ],
 )
-def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, name, cfg):
+def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_type, name, cfg):
     from tiny import save_tiny
 
-    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    extra = {"num_experts_per_tok": 2} if model_type == "deepseek_v3" else {}
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2, **extra)
     steps = [PROTECT, {name: cfg}]
     _run(tmp_path / "m", tmp_path / "whole", steps, "off", tmp_path / "c")
     _run(tmp_path / "m", tmp_path / "chunk", steps, 3, tmp_path / "c")
@@ -120,6 +123,8 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, name, cf
     assert wc == cc and wt.keys() == ct.keys()
     for k in wt:
         assert wt[k] == ct[k], k
+    for ra, rb in zip(_rows(tmp_path / "whole", "protect"), _rows(tmp_path / "chunk", "protect"), strict=True):
+        assert rb["rel_error"] == pytest.approx(ra["rel_error"], abs=1e-6)  # the step before: every state summed
     for ra, rb in zip(_rows(tmp_path / "whole", name), _rows(tmp_path / "chunk", name), strict=True):
         for k in ("layer", "params_before", "params_after", "bytes_before", "bytes_after", "changed"):
             assert ra[k] == rb[k], k

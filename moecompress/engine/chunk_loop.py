@@ -119,12 +119,14 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
         if err is not None:
             rows = torch.full((e_in,), n, dtype=torch.long)
             rows[torch.tensor(mem)] = torch.arange(n)
-            err.add(err.part_rows(0, bank, rows))
+            for state in range(g + 1):  # the input and the selections of no expert before the merge
+                err.add(err.part_rows(state, bank, rows))
         new, info = mode.unit(dec, lo, hi, layer_to(bank, where) if where != host else bank, step.config)
         new = layer_to(chunks.sub_layer(shells[0], new, 0), host).experts
         if err is not None:
             rows = torch.where((emap >= lo) & (emap < hi), emap - lo, torch.full_like(emap, hi - lo))
-            err.add(err.part_rows(g + 1, new, rows))
+            for state in range(g + 1, len(steps) + 1):  # the merge and the reports after it
+                err.add(err.part_rows(state, new, rows))
         parts[g].append(skeleton(new))
         infos.append(info)
         bnds.append((lo, hi))
