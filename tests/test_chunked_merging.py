@@ -23,6 +23,8 @@ CONFIGS = [
     ("frequency", {"target_experts": "auto"}),
     ("namex", {"ratio": 0.5, "refine_steps": 0}),
     ("namex", {"ratio": 0.5, "refine_steps": 0, "router": "collapse", "align": False}),
+    ("namex", {"ratio": 0.5}),  # refined: the choice on the whole layer's held-back error, an unwritten pass first
+    ("namex", {"ratio": 0.25, "router": "collapse", "phase": 0.0}),
 ]
 
 
@@ -52,6 +54,8 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     for a, b in chunks.bounds(8, size):  # the first sweep: each chunk's summaries
         acc = gather_summaries(chunks.sub_layer(layer, chunks.meta_bank(layer.experts, a, b), a), stats, cfg, acc)
     dec = fit_groups(acc, _shell(layer), stats, cfg)
+    if name == "namex" and cfg.refine_steps:
+        dec.variants = nx.refine_variants
     assert dec.plan.groups == info["groups"] and dec.plan.bases == info["bases"]
     assert dec.shell.experts.num_experts == whole.experts.num_experts
     if whole.expert_map is not None:
@@ -59,6 +63,12 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     assert torch.equal(dec.shell.router_weight, whole.router_weight)
     banks, infos, units = [], [], dec.units(size)
     assert all(len(dec.members(lo, hi)) <= size or hi - lo == 1 for lo, hi in units)
+    def read(lo, hi):
+        return _cat([chunks.meta_bank(layer.experts, e, e + 1) for e in dec.members(lo, hi)])
+
+    if dec.sweeps == 2:
+        dec.choose([run_unit(dec, lo, hi, read(lo, hi), merge_groups, cfg)[1] for lo, hi in units])
+        assert dec.choice == ("complex" if info["refined"] else "unrefined")
     for lo, hi in units:  # the second sweep: each unit's members read expert by expert
         bank = _cat([chunks.meta_bank(layer.experts, e, e + 1) for e in dec.members(lo, hi)])
         new, part = run_unit(dec, lo, hi, bank, merge_groups, cfg)
@@ -69,8 +79,13 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
         assert torch.equal(getattr(got, p).dense(), getattr(whole.experts, p).dense()), p
     out = merge_units(infos, units, dec)
     assert out["rel_error_held"] == pytest.approx(info["rel_error_held"], rel=1e-5, abs=1e-7)
-    for k in ("groups", "bases", "num_experts_after", "bytes_after", "neurons_moved", "weights", "merged_groups"):
+    for k in ("groups", "bases", "num_experts_after", "bytes_after", "neurons_moved", "weights", "merged_groups",
+              "refined", "refine_fit_loss"):
         assert out.get(k) == info.get(k), k
+    for k in ("rel_error_unrefined", "rel_error_refined", "rel_error_refined_real"):
+        assert (k in out) == (k in info), k
+        if k in info:
+            assert out[k] == pytest.approx(info[k], rel=1e-5), k
 
 
 # -- through the engine: expert_chunk: N -------------------------------------------------------------------
@@ -108,6 +123,7 @@ def _rows(out, name):
         ("qwen3_moe", "merge_experts", {"ratio": 0.25, "router": "collapse", "similarity": "router"}),
         ("qwen3_moe", "merge_experts", {"target_experts": "auto", "method": "average"}),
         ("qwen3_moe", "namex", {"ratio": 0.5, "refine_steps": 0}),
+        ("qwen3_moe", "namex", {"ratio": 0.5}),
         ("deepseek_v3", "namex", {"ratio": 0.25, "refine_steps": 0}),
     ],
 )
@@ -132,7 +148,7 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_ty
         ia, ib = ra["info"], rb["info"]
         assert ia.keys() == ib.keys()
         for k, v in ia.items():
-            if k == "rel_error_held":
+            if k.startswith("rel_error"):
                 assert ib[k] == pytest.approx(v, rel=1e-5, abs=1e-7)
             else:
                 assert ib[k] == v, k

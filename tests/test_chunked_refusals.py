@@ -28,7 +28,7 @@ def _plan(model, tmp_path, steps, chunk, **cal):
 @pytest.mark.parametrize(
     ("step", "why"),
     [
-        ({"namex": {"ratio": 0.25}}, r"keeps its refinement \(refine_steps: 10\).*use refine_steps: 0"),
+        ({"namex": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights"),
         ({"merge_experts": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights.*use similarity: output_tokens"),
     ],
 )
@@ -41,7 +41,7 @@ def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_p
     _plan(model, tmp_path, [step], "off")  # whole layers: accepted
 
 
-@pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25, "refine_steps": 0}}, {"merge_experts": {"ratio": 0.25}}])
+@pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25}}, {"merge_experts": {"ratio": 0.25}}])
 def test_merging_runs_by_chunks_but_not_with_another_changing_step(model, tmp_path, step):
     name = next(iter(step))
     _plan(model, tmp_path, [{"protect_super_experts": {}}, step], 3)  # by units of groups
@@ -93,7 +93,7 @@ def test_auto_chunks_only_what_does_not_fit(model, tmp_path):
 
 
 def test_auto_leaves_a_layer_whole_when_a_step_cannot_chunk(model, tmp_path):
-    step = {"namex": {"ratio": 0.25}}
+    step = {"namex": {"ratio": 0.25, "similarity": "weight"}}
     whole = _plan(model, tmp_path, [step], "off")["step_memory"]["step 1 (namex)"]["bytes"]
     with pytest.raises(
         RecipeError, match=r"namex\) needs every expert of the layer at once, so the layer is held whole"

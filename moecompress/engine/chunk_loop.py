@@ -111,17 +111,33 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     secs, stock = lp.secs, {}
     parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
     parts[g], infos, bnds = [], [], []
-    for lo, hi in dec.units(size):
-        t0 = time.perf_counter()
+
+    def members(lo: int, hi: int) -> tuple[list[int], ExpertBank]:
         mem = dec.members(lo, hi)
         bank = chunks.cat_banks([lp.ckpt.read_experts(idx, a, b) for a, b in chunks.runs(mem)])
+        return mem, layer_to(bank, where) if where != host else bank
+
+    if dec.sweeps == 2:  # a choice on the whole layer's held-back error first (namex's refinement): unwritten
+        t0 = time.perf_counter()
+        trial = []
+        for lo, hi in dec.units(size):
+            _, info = mode.unit(dec, lo, hi, members(lo, hi)[1], step.config)
+            dec.fold(info)
+            trial.append(info)
+            release_freed()
+        dec.choose(trial)
+        secs[g] += time.perf_counter() - t0
+    for lo, hi in dec.units(size):
+        t0 = time.perf_counter()
+        mem, bank = members(lo, hi)
         n = bank.num_experts
         if err is not None:
             rows = torch.full((e_in,), n, dtype=torch.long)
             rows[torch.tensor(mem)] = torch.arange(n)
             for state in range(g + 1):  # the input and the selections of no expert before the merge
                 err.add(err.part_rows(state, bank, rows))
-        new, info = mode.unit(dec, lo, hi, layer_to(bank, where) if where != host else bank, step.config)
+        new, info = mode.unit(dec, lo, hi, bank, step.config)
+        dec.fold(info)
         new = layer_to(chunks.sub_layer(shells[0], new, 0), host).experts
         if err is not None:
             rows = torch.where((emap >= lo) & (emap < hi), emap - lo, torch.full_like(emap, hi - lo))

@@ -217,8 +217,11 @@ class Chunking:
     ``size`` (a larger group alone), ``decision.members(lo, hi)`` their input experts, ascending. The second
     sweep's units are those: the members are read (runs of consecutive ids at a time),
     ``unit(decision, lo, hi, bank, cfg) -> (bank, info)`` makes output experts ``[lo, hi)``, and
-    ``merge(infos, bounds, decision)`` the layer's info. It must be the first step of its segment that
-    changes the layer and the last (report-only steps aside)."""
+    ``merge(infos, bounds, decision)`` the layer's info; ``decision.fold(info)`` takes each unit's running
+    sums out of its info as it comes. ``decision.sweeps == 2``: a choice on the whole layer (``namex``'s
+    refinement, kept only if it lowers the layer's held-back error) first takes an unwritten pass over the
+    units (``unit`` returns no bank), then ``decision.choose(infos)``. It must be the first step of its
+    segment that changes the layer and the last (report-only steps aside)."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None

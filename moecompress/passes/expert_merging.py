@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -554,6 +555,47 @@ class GroupDecision:
     shell: MoELayer
     info: dict
     shared: torch.Tensor | None
+    variants: Callable | None = None
+    """``variants(unit, merged, cfg, first) -> ({name: merged}, report)``: candidates besides the merge
+    (``namex``'s refinements), chosen between on the whole layer's held-back error: then :attr:`sweeps` is 2"""
+    choice: str | None = None
+    refine_info: dict | None = None
+    acc: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sweeps(self) -> int:
+        """The second sweep's passes over the units: one more, unwritten, when a whole-layer choice is due."""
+        return 2 if self.variants is not None and any(len(g) > 1 for g in self.plan.groups) else 1
+
+    def fold(self, info: dict) -> None:
+        """A unit's shares of the held-back outputs (``info["_held"]``) added to the layer's, and dropped."""
+        for k, t in info.pop("_held", {}).items():
+            self.acc[k] = self.acc[k] + t if k in self.acc else t
+
+    def _error(self, after: str) -> float:
+        before, y = self.acc["before"], self.acc[after]
+        if self.shared is not None:
+            before, y = before + self.shared, y + self.shared
+        return relative_error(before, y)
+
+    def choose(self, infos: list[dict]) -> None:
+        """After the unwritten pass: the candidate the whole layer keeps (``namex``: its complex-momentum
+        refinement when it lowers the held-back error, else the merge), as :func:`namex._refine_all`."""
+        for info in infos:
+            self.fold(info)
+        errs = {k.split(":", 1)[1]: self._error(k) for k in self.acc if k.startswith("after:")}
+        keep = errs["complex"] < errs["unrefined"]
+        losses: dict[str, dict] = {}
+        for info in infos:
+            for name, ls in info.get("refine_fit_loss", {}).items():
+                losses.setdefault(name, {}).update(ls)
+        self.refine_info = {
+            "rel_error_unrefined": errs["unrefined"], "rel_error_refined": errs["complex"],
+            "rel_error_refined_real": errs.get("real", errs["complex"]), "refined": keep,
+            "refine_fit_loss": losses,
+        }  # fmt: skip
+        self.choice = "complex" if keep else "unrefined"
+        self.acc = {}
 
     def units(self, size: int) -> list[tuple[int, int]]:
         """Consecutive groups ``[lo, hi)`` of at most ``size`` members together (a larger group alone)."""
@@ -598,35 +640,44 @@ def fit_groups(acc: dict | None, shell: MoELayer, stats: LayerStats, cfg: MergeO
 def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_groups, cfg: MergeOptions):
     """Groups ``[lo, hi)`` merged from ``bank`` (their members, :meth:`GroupDecision.members`):
     ``(their physical experts, the unit's info)``; the info carries the unit's shares of the routed outputs
-    on the held-back tokens before and after (summed by :func:`merge_units`)."""
+    on the held-back tokens before and after (``_held``, folded by :meth:`GroupDecision.fold`). With
+    candidates (:attr:`GroupDecision.variants`) and no choice yet: ``(None, info)`` with every candidate's
+    share, for :meth:`GroupDecision.choose`."""
     unit = dec.plan.unit(lo, hi, bank)
     merged, extra = merge_groups(unit, cfg, lo)
-    new = unit.bank_of(merged)
+    cands, report = {"unrefined": merged}, None
+    if dec.sweeps == 2:
+        more, report = dec.variants(unit, merged, cfg, lo)
+        cands.update(more)
     x = unit.x_held
     ids, w = unit._routes["held"]
     lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)
     lut[torch.tensor(dec.members(lo, hi))] = torch.arange(bank.num_experts)
-    before = experts_forward(bank, x, lut[ids], w)
+    held = {"before": experts_forward(bank, x, lut[ids], w)}
     a_ids, a_w = route(dec.shell, x)
     if dec.shell.expert_map is not None:
         a_ids = dec.shell.expert_map[a_ids]
     local = torch.where((a_ids >= lo) & (a_ids < hi), a_ids - lo, torch.full_like(a_ids, hi - lo))
-    after = experts_forward(new, x, local, a_w)
-    return new, {**extra, "neurons_moved": unit.moved, "_held": (before, after)}
+    info = {**extra, "neurons_moved": unit.moved}
+    if dec.sweeps == 2 and dec.choice is None:
+        for name, m in cands.items():
+            held[f"after:{name}"] = experts_forward(unit.bank_of(m), x, local, a_w)
+        return None, {**info, "_held": held, "refine_fit_loss": report or {}}
+    new = unit.bank_of(cands[dec.choice or "unrefined"])
+    held["after"] = experts_forward(new, x, local, a_w)
+    return new, {**info, "_held": held}
 
 
 def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDecision) -> dict:
     """The layer's info from its units' (:func:`run_unit`), as a whole-layer run reports it."""
-    before = sum(i["_held"][0] for i in infos)
-    after = sum(i["_held"][1] for i in infos)
-    if dec.shared is not None:
-        before, after = before + dec.shared, after + dec.shared
-    x = dec.plan.x_held
+    for info in infos:
+        dec.fold(info)
+    changed = dec.shell is not dec.plan.layer
     out = {**dec.info, "neurons_moved": sum(i["neurons_moved"] for i in infos),
-           "rel_error_held": relative_error(before.to(x.dtype), after.to(x.dtype)) if dec.shell is not dec.plan.layer else 0.0}  # fmt: skip
+           "rel_error_held": dec._error("after") if changed else 0.0}  # fmt: skip
     for info in infos:
         for k, v in info.items():
-            if k in ("_held", "neurons_moved"):
+            if k == "neurons_moved":
                 continue
             if isinstance(v, list):
                 out.setdefault(k, []).extend(v)
@@ -634,6 +685,9 @@ def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDeci
                 out.setdefault(k, {}).update(v)
             else:
                 out[k] = v
+    if dec.refine_info is not None:
+        out.update(dec.refine_info)
+    dec.acc = {}
     return out
 
 

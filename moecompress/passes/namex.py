@@ -191,9 +191,10 @@ def _zero(p: Params) -> Params:
     return {k: torch.zeros_like(v) for k, v in p.items()}
 
 
-def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -> dict[int, Params]:
-    """Refine every merged expert with complex and with real momentum; keep the complex result when it
-    lowers the held-back layer error (see the module docstring)."""
+def refine_variants(plan: MergePlan, merged: dict[int, Params], cfg: NamexConfig, first: int = 0):
+    """Every merged expert of ``plan`` refined with complex and with real momentum (step 4):
+    ``({"complex": ..., "real": ...}, {run: {group: [first loss, last loss]}})``; ``first``: the layer's
+    number of the plan's first group (a :meth:`MergePlan.unit`)."""
     bank = plan.layer.experts
     beta = cfg.momentum * cmath.exp(1j * math.radians(cfg.phase))
     runs = {"complex": beta, "real": complex(cfg.momentum)} if cfg.phase else {"complex": beta}
@@ -205,7 +206,14 @@ def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -
             if len(data[0]) == 0:
                 out[name][g] = p
                 continue
-            out[name][g], losses[name][str(g)] = refine(bank, p, data, cfg.refine_steps, cfg.lr, b)
+            out[name][g], losses[name][str(first + g)] = refine(bank, p, data, cfg.refine_steps, cfg.lr, b)
+    return out, {name: {g: [v[0], v[-1]] for g, v in ls.items()} for name, ls in losses.items()}
+
+
+def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -> dict[int, Params]:
+    """Refine every merged expert with complex and with real momentum; keep the complex result when it
+    lowers the held-back layer error (see the module docstring)."""
+    out, losses = refine_variants(plan, merged, cfg)
     before = plan.held_error(plan.build(merged))
     after = {name: plan.held_error(plan.build(m)) for name, m in out.items()}
     keep = after["complex"] < before
@@ -214,7 +222,7 @@ def _refine_all(plan, merged: dict[int, Params], cfg: NamexConfig, info: dict) -
         rel_error_refined=after["complex"],
         rel_error_refined_real=after.get("real", after["complex"]),
         refined=keep,
-        refine_fit_loss={name: {g: [v[0], v[-1]] for g, v in ls.items()} for name, ls in losses.items()},
+        refine_fit_loss=losses,
     )
     return out["complex"] if keep else merged
 
@@ -246,15 +254,17 @@ def _summarize(infos: dict[int, dict], cfg: NamexConfig) -> dict:
     return out
 
 
-def _refuse_chunks(cfg: NamexConfig) -> str | None:
+def _fit(acc, shell: MoELayer, stats: LayerStats, cfg: NamexConfig):
+    """The groups by chunks; refining, the choice between the merge and its refinement is made on the whole
+    layer's held-back error over an unwritten pass of the units (``GroupDecision.variants``)."""
+    dec = fit_groups(acc, shell, stats, cfg)
     if cfg.refine_steps:
-        return (f"keeps its refinement (refine_steps: {cfg.refine_steps}) only if it lowers the whole layer's "
-                "held-back error, every merged expert at once; use refine_steps: 0")  # fmt: skip
-    return refuse_chunks(cfg)
+        dec.variants = refine_variants
+    return dec
 
 
 CHUNKING = Chunking(
-    "group", merge=merge_units, refuse=_refuse_chunks, gather=gather_summaries, fit=fit_groups,
+    "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=_fit,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
