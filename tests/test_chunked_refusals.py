@@ -44,7 +44,10 @@ def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_p
 @pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25}}, {"merge_experts": {"ratio": 0.25}}])
 def test_merging_runs_by_chunks_but_not_with_another_changing_step(model, tmp_path, step):
     name = next(iter(step))
-    _plan(model, tmp_path, [{"protect_super_experts": {}}, step], 3)  # by units of groups
+    whole = _plan(model, tmp_path, [step], "off")["step_memory"][f"step 1 ({name})"]["bytes"]
+    chunked = _plan(model, tmp_path, [{"protect_super_experts": {}}, step], 2)  # by units of groups
+    assert chunked["step_memory"][f"step 2 ({name})"]["chunk"] == 2
+    assert 0 < chunked["step_memory"][f"step 2 ({name})"]["bytes"] < whole
     with pytest.raises(
         RecipeError, match=rf"step 1 \({name}\), layer \d+: merges groups .* step 2 \(rtn\) cannot follow.*expert_chunk: off"
     ) as err:

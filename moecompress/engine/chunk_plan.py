@@ -147,7 +147,9 @@ def chunk_peaks(
             except MoecompressError:  # a shape rule meant for a whole layer: the chunk as an upper bound
                 after = before
         chunking = step.spec.chunking
-        if chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
+        if chunking is not None and chunking.workspace is not None and chunking.mode == "group":
+            work = chunking.workspace(layer, step.config, n)  # the layer's summaries, a unit of n members
+        elif chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
             work = chunking.workspace(before, step.config)
         else:
             work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0

@@ -221,7 +221,8 @@ class Chunking:
     sums out of its info as it comes. ``decision.sweeps == 2``: a choice on the whole layer (``namex``'s
     refinement, kept only if it lowers the layer's held-back error) first takes an unwritten pass over the
     units (``unit`` returns no bank), then ``decision.choose(infos)``. It must be the first step of its
-    segment that changes the layer and the last (report-only steps aside)."""
+    segment that changes the layer and the last (report-only steps aside). Its ``workspace(layer, cfg, n)``
+    gets the whole layer (``meta``) and the chunk size: the gathered summaries and one unit's merge."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
@@ -232,7 +233,7 @@ class Chunking:
     exact: Callable[[Any], bool] | None = None
     gather: Callable[[MoELayer, LayerStats, Any, Any], Any] | None = None
     fit: Callable[[Any, MoELayer, LayerStats, Any], Any] | None = None
-    workspace: Callable[[MoELayer, Any], int] | None = None
+    workspace: Callable[..., int] | None = None
     unit: Callable[[Any, int, int, Any, Any], tuple[Any, dict]] | None = None
 
     def __post_init__(self) -> None:

@@ -40,6 +40,7 @@ from moecompress.passes.expert_merging import (
     chosen_later,
     fit_groups,
     gather_summaries,
+    group_workspace,
     merge_needs,
     merge_units,
     merge_workspace,
@@ -91,6 +92,7 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 CHUNKING = Chunking(
     "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=fit_groups,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
+    workspace=group_workspace,
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
 
