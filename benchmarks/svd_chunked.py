@@ -8,11 +8,14 @@ layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for e
 - ``--step tdmoe``: ``tdmoe {ratio: 0.4}`` (HOSVD, input whitening): whole layers through tensorly's HOSVD of
   the stacked experts, chunks in two phases (the whitened mode Grams summed over the chunks, the factors
   fitted once, each chunk's cores projected).
+- ``--step namex`` / ``merge_experts``: ``{ratio: 0.25}`` (``--merge-ratio``), namex with its default
+  refinement and with ``refine_steps: 0``, merge_experts with ``router: remap`` and ``collapse``: by chunks
+  the groups come from per-expert summaries gathered over the chunks and units of groups are merged.
 
 Calibration, evaluation (the last 2 % of every corpus file held out) and expert bytes as in
 ``benchmarks/chain_quality.py`` (its ``expert_bytes``).
 
-    OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--step svd_experts|codequant] [--shared /work/shared]
+    OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--step svd_experts|codequant|tdmoe|namex|merge_experts] [--shared /work/shared]
         [--models ref-qwen3moe ref-mixtral] [--samples 64] [--holdout 8] [--seq-len 256] [--eval-tokens 16384]
         [--json PATH]
 """
@@ -62,6 +65,15 @@ def _tucker_errors(rep: dict) -> dict:
             "routed_fraction_removed": s["routed_fraction_removed"]}  # fmt: skip
 
 
+def _merge_errors(rep: dict) -> dict:
+    s = rep["summary"]
+    out = {"mean_rel_error_held": s["mean_rel_error_held"], "experts_after": s["experts_after"],
+           "routed_fraction_removed": s["routed_fraction_removed"]}  # fmt: skip
+    if "layers_refined" in s:
+        out["layers_refined"] = s["layers_refined"]
+    return out
+
+
 # step -> (variant -> step config, the variant's key in the table, extra report columns)
 STEPS = {
     "svd_experts": (
@@ -74,6 +86,16 @@ STEPS = {
         "variant", _codequant_errors,
     ),
     "tdmoe": (lambda args: {"hosvd": {"tdmoe": {"ratio": args.ratio}}}, "variant", _tucker_errors),
+    "namex": (
+        lambda args: {"refined": {"namex": {"ratio": args.merge_ratio}},
+                      "unrefined": {"namex": {"ratio": args.merge_ratio, "refine_steps": 0}}},
+        "variant", _merge_errors,
+    ),
+    "merge_experts": (
+        lambda args: {"remap": {"merge_experts": {"ratio": args.merge_ratio}},
+                      "collapse": {"merge_experts": {"ratio": args.merge_ratio, "router": "collapse"}}},
+        "variant", _merge_errors,
+    ),
 }
 
 
@@ -84,6 +106,7 @@ def main() -> None:
     ap.add_argument("--step", choices=sorted(STEPS), default="svd_experts")
     ap.add_argument("--ratio", type=float, default=0.4, help="svd_experts, tdmoe: the ratio")
     ap.add_argument("--bits", type=int, default=4, help="codequant: the bits")
+    ap.add_argument("--merge-ratio", type=float, default=0.25, help="namex, merge_experts: the ratio")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--holdout", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -131,7 +154,8 @@ def main() -> None:
                        **extra(rep)}  # fmt: skip
                 res["rows"][f"{ranks}-{label}"] = row
                 more = {k: v for k, v in row.items()
-                        if k in ("total_rank", "mean_val_error_final", "best_steps", "mean_whitened_rel_error")}  # fmt: skip
+                        if k in ("total_rank", "mean_val_error_final", "best_steps", "mean_whitened_rel_error",
+                                 "mean_rel_error_held", "layers_refined")}  # fmt: skip
                 print(f"{name} {ranks} {label}: {row['expert_bytes']} B, KL {row['kl']:.5f}, ppl "
                       f"{row['perplexity']:.3f}, {more}, {wall:.1f} s + eval "
                       f"{row['eval_s']:.1f} s, sha {row['sha256_16']}", flush=True)  # fmt: skip
@@ -142,7 +166,8 @@ def main() -> None:
         print(f"\n**{name}** ({res['experts']} experts, chunks of {res['chunk']}; base expert bytes "
               f"{res['base_expert_bytes']:,})\n")  # fmt: skip
         col = {"svd_experts": "total rank gate/up/down", "codequant": "mean val error (layer / chunk part)",
-               "tdmoe": "mean whitened rel. error"}[args.step]  # fmt: skip
+               "tdmoe": "mean whitened rel. error", "namex": "mean rel_error_held (layers refined)",
+               "merge_experts": "mean rel_error_held"}[args.step]  # fmt: skip
         print(f"| {key} | layer held | expert bytes | {col} | KL to base | held-out ppl | top-1 agree | s | sha256[:16] |")
         print("|---|---|---:|---|---:|---:|---:|---:|---|")
         for r in res["rows"].values():
@@ -150,6 +175,8 @@ def main() -> None:
                 tr = "/".join(str(r["total_rank"][p]) for p in ("gate", "up", "down"))
             elif args.step == "tdmoe":
                 tr = f"{r['mean_whitened_rel_error']:.6f}"
+            elif args.step in ("namex", "merge_experts"):
+                tr = f"{r['mean_rel_error_held']:.6f}" + (f" ({r['layers_refined']})" if "layers_refined" in r else "")
             else:
                 tr = f"{r['mean_val_error_final']:.4f}"
             held = "whole" if r["expert_chunk"] == "off" else f"chunks of {r['expert_chunk']}"

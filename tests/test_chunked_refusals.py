@@ -30,6 +30,7 @@ def _plan(model, tmp_path, steps, chunk, **cal):
     [
         ({"namex": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights"),
         ({"merge_experts": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights.*use similarity: output_tokens"),
+        ({"merge_experts": {"target_experts": {"ratio": 0.5}}}, r"spends a budget over layers from expert_out_gram.*count per layer"),
     ],
 )
 def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step, why):
