@@ -133,3 +133,23 @@ def test_calibration_cap_is_balanced(tmp_path):
     assert e == 8 and need(4) < need(5) < need(6)
     assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(5), sizes) == 4
     assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(2), sizes) == 2
+
+
+def test_the_statistics_cache_is_counted_on_the_output_disk(tmp_path):
+    """gptq's per-expert Hessians are 221 MB per DeepSeek-V3 expert on disk: the dry run states the cache's
+    size, and a disk that cannot hold it is refused in one line naming calibration.cache_dir."""
+    from moecompress.engine.dry_run import dry_run
+    from moecompress.errors import RecipeError
+
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    rec = mc.load_recipe({"model": str(ckpt.path), "output": str(tmp_path / "o"), "steps": [{"gptq": {"bits": 4}}],
+                          "calibration": {"source": "random", "samples": 8, "seq_len": 16}})  # fmt: skip
+    plan = dry_run(rec, ckpt)
+    e, h = ckpt.adapter.num_experts, ckpt.raw_config["hidden_size"]
+    assert plan["statistics_cache_bytes"] >= len(ckpt.moe_layer_indices) * e * h * h * 4
+    big = {**plan, "statistics_cache_bytes": 2 * 1024**3}
+    resources.check(rec, big, tmp_path, memory=None, disk_free=3 * 1024**3 + 1)  # fits with the checkpoint
+    with pytest.raises(RecipeError, match=r"GiB of calibration statistics.*calibration\.cache_dir") as err:
+        resources.check(rec, big, tmp_path, memory=None, disk_free=2 * 1024**3)
+    assert "\n" not in str(err.value)

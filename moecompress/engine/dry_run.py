@@ -141,7 +141,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         ckpt.non_weight_files(recipe.copy_extra)
     except MoecompressError as err:
         raise RecipeError(f"recipe field 'copy_extra': {err}") from None
-    moe_in = 0
+    moe_in, cache_bytes = 0, 0
     moe_out = [0] * len(recipe.steps)
     dtype = compute_dtype(recipe, ckpt)
     step_memory: dict[str, dict[str, int]] = {}
@@ -156,6 +156,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
         stats = resources.stat_bytes(needs, _stat_dims(recipe, layer))
+        cache_bytes += stats  # the statistics cache holds every layer's (float32)
         spilled = resources.stat_bytes(needs & set(SPILLED), _stat_dims(recipe, layer))  # read by rows when chunked
         before = layer
         entries = []
@@ -218,6 +219,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         "data_free_steps": not recipe.needs and not segments.has_stages(recipe),
         "step_memory": step_memory,
         "expert_chunk": {str(i): n for i, n in sorted(chunked.items())},
+        "statistics_cache_bytes": cache_bytes,
         "dequantize_output": dequantize,
     }
     plan["copy_memory_bytes"], plan["copy_largest_tensor"] = resources.copy_peak(ckpt, raw=not dequantize)

@@ -234,15 +234,18 @@ def check(
             f"{w['workspace_bytes'] / GiB:.1f} GiB, statistics {w['stats_bytes'] / GiB:.1f} GiB"
             f"{chunked}) but {limit / GiB:.1f} GiB are {where}; {_step_fix(recipe, w)}"
         )
+    cache = plan.get("statistics_cache_bytes", 0) if c.cache_dir is None else 0  # default: next to the output
     out = (
         sum(plan["estimated_output_bytes"].get(s, 0) for s in plan["written_steps"])
-        + plan["backward_disk_bytes"]
+        + plan["backward_disk_bytes"] + cache
     )
     if disk_free is not None and out > disk_free:
         raise RecipeError(
             f"the run needs about {out / GiB:.2f} GiB of disk next to {output_parent} ({len(plan['written_steps'])} "
-            f"checkpoint(s){' and the streamed backward inputs' if plan['backward_disk_bytes'] else ''}) but only "
-            f"{disk_free / GiB:.2f} GiB are free; free space or choose another output"
+            f"checkpoint(s){' and the streamed backward inputs' if plan['backward_disk_bytes'] else ''}"
+            f"{f', {cache / GiB:.2f} GiB of calibration statistics' if cache > GiB else ''}) but only "
+            f"{disk_free / GiB:.2f} GiB are free; free space, choose another output"
+            + (" or set calibration.cache_dir to another disk" if cache > GiB else "")
         )
 
 
