@@ -91,11 +91,13 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
 
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     """A layer whose merging step (``Chunking('group')``, step ``g``) runs by units of groups: the earlier
-    steps only protect, the later ones only report (:func:`chunk_work.prepare` checks); rank 0 alone under
-    ``torchrun`` (no unit is handed out: ``Chunking.exact`` is false). Per unit, its
+    steps only protect, the later ones only report (:func:`chunk_work.prepare` checks). Per unit, its
     members are read (runs of consecutive ids), their share of the original error sum added, the unit's
     output experts made, written and added to the merged layer's error sum."""
-    steps, idx = run.rec.steps, lp.idx  # under torchrun rank 0 works the units alone (the others wait)
+    steps, idx = run.rec.steps, lp.idx
+    if run.ctx.ranks.world_size > 1:
+        raise PassError(f"{steps[g].label}, layer {idx}: merging by chunks of experts runs in one process; "
+                        "run it without torchrun, or expert_chunk: off")  # fmt: skip
     written = [s for s, step in enumerate(steps) if step.number in run.writers]
     early = [s for s in written if s < g]
     if early:
