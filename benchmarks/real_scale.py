@@ -41,7 +41,8 @@ import torch
 GiB = 1024**3
 CAL = {"source": "random", "samples": 128, "seq_len": 512}
 STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {},
-         "gptq": {"bits": 4, "group_size": 128}}
+         "gptq": {"bits": 4, "group_size": 128}, "svd_experts": {"ratio": 0.4}, "tdmoe": {"ratio": 0.4},
+         "namex": {"ratio": 0.25}, "merge_experts": {"ratio": 0.25}, "codequant": {"bits": 4, "finetune_steps": 0}}
 
 
 def _meta_shapes(model_type: str, **cfg) -> tuple[object, dict[str, tuple[int, ...]]]:
@@ -363,7 +364,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["deepseek", "gptoss"])
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--steps", nargs="*", default=list(STEPS))
+    ap.add_argument("--steps", nargs="*", default=["heapr", "expert_prune", "rtn", "identity", "gptq"], choices=list(STEPS))
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--run", action="store_true", help="deepseek: run the layer loop (not only the dry run)")
