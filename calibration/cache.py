@@ -4,7 +4,7 @@ Layout: ``<root>/<model key>-<calibration key>-<stats key>/`` holding ``meta.jso
 collected, for which model and calibration, and the SHA-256 of every file), ``layer-NNN.safetensors``
 (forward statistics), ``layer-NNN.grad.safetensors`` (gradient statistics) and, for a layer calibrated
 by chunks of experts, ``layer-NNN.experts-AAAAAA-BBBBBB.safetensors`` (the per-expert covariances of
-experts ``[A, B)``, :data:`~moecompress.calibration.stats.SPILLED`, written chunk by chunk and read back
+experts ``[A, B)``, :data:`~moecompress.calibration.stats.SPILLED`, written expert by expert and read back
 by rows: :class:`ExpertRows`). A later run or step
 needing a subset of what an existing entry holds reuses it. A directory becomes visible only when
 complete (written as ``*.partial`` and renamed), so a crash never leaves a half cache that looks
