@@ -204,6 +204,11 @@ def save_experts(entry: Path, i: int, a: int, stats: dict[str, torch.Tensor]) ->
     _save(entry, f"layer-{i:03d}.experts-{a:06d}-{a + n.pop():06d}.safetensors", stats)
 
 
+def _changed(path: Path) -> CacheError:
+    return CacheError(f"statistics cache file {path} changed while this run used it; run again (the damaged "
+                      "entry is then recomputed)")
+
+
 def _expert_files(entry: Path, i: int) -> list[tuple[int, int, Path]]:
     pattern = re.compile(rf"layer-{i:03d}\.experts-(\d+)-(\d+)\.safetensors")
     found = [(m, p) for p in entry.glob(f"layer-{i:03d}.experts-*.safetensors") if (m := pattern.fullmatch(p.name))]
@@ -231,10 +236,9 @@ class ExpertRows:
     def _check(self, path: Path) -> None:
         if path.name in self._checked:
             return
-        meta = read_meta(self.entry)["files"] if (self.entry / META).is_file() else None
-        if meta is not None and _file_hash(path) != meta.get(path.name):
-            raise CacheError(f"statistics cache file {path} changed while this run used it; run again (the damaged "
-                             "entry is then recomputed)")  # fmt: skip
+        files = read_meta(self.entry)["files"] if (self.entry / META).is_file() else None
+        if files is not None and _file_hash(path) != files.get(path.name):
+            raise _changed(path)
         self._checked.add(path.name)
 
     def rows(self, a: int, b: int, names: set[str] | frozenset[str] | None = None) -> dict[str, torch.Tensor]:
@@ -269,8 +273,7 @@ def load_layer(entry: Path, i: int, experts: bool = True) -> dict[str, torch.Ten
             continue
         data = path.read_bytes()
         if files is not None and hashlib.sha256(data).hexdigest() != files.get(name):
-            raise CacheError(f"statistics cache file {path} changed while this run used it; run again (the damaged "
-                             "entry is then recomputed)")  # fmt: skip
+            raise _changed(path)
         try:
             out.update(load_bytes(data))
         except SafetensorError as err:

@@ -123,6 +123,12 @@ def refusal(step, layer: MoELayer | None = None) -> str | None:
     return why
 
 
+def chunk_stats(stats: int, spilled: int, n: int, num_experts: int) -> int:
+    """The statistics bytes a chunk of ``n`` experts holds: the layer's ``stats`` less the per-expert
+    covariances (``spilled``), plus their rows for the chunk twice (read, then joined)."""
+    return stats - spilled + 2 * -(-spilled * n // max(num_experts, 1))
+
+
 def chunk_peaks(
     recipe: Recipe, layer: MoELayer, n: int, dtype: torch.dtype, stats: int, written: list, spilled: int = 0
 ) -> list[int]:
@@ -130,8 +136,7 @@ def chunk_peaks(
     ``stats``: the layer's statistics bytes, of which ``spilled`` are per-expert covariances that a chunk
     reads by rows (:class:`~moecompress.calibration.cache.ExpertRows`): a chunk holds its share twice
     while the rows are joined."""
-    e = max(layer.experts.num_experts, 1)
-    stats = stats - spilled + 2 * -(-spilled * n // e)
+    stats = chunk_stats(stats, spilled, n, layer.experts.num_experts)
     sub = chunks.sub_layer(layer, chunks.meta_bank(layer.experts, 0, n), 0)
     rest = (layer.nbytes() - layer.experts.nbytes()) - (sub.nbytes() - sub.experts.nbytes())
     c = recipe.calibration

@@ -180,7 +180,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
         if i in chunked:
             chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit, layer)
             peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written, spilled)
-            share = stats - spilled + 2 * -(-spilled * chunked[i] // max(layer.experts.num_experts, 1))
+            share = chunk_plan.chunk_stats(stats, spilled, chunked[i], layer.experts.num_experts)
             for e, p in zip(entries, peaks):
                 e.update(bytes=p, chunk=chunked[i], stats_bytes=share)
         blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s, layer) is not None), None)
