@@ -302,19 +302,19 @@ def test_one_process_is_unchanged_by_a_world_of_one(model):
     assert _hashes(model / "w1-two") == _hashes(model / "w1-one")
 
 
-# -- the layer loop sharded by experts (engine/expert_shard.py) ----------------------------------------
+# -- the layer loop sharded by experts (engine/shard.py) ----------------------------------------
 # rank 1 counts the chunks it works (and, with DIE_AT, dies in its DIE_AT-th one, as a killed process does)
 SERVE = r"""
 import os, sys
-from moecompress.engine import expert_shard
+from moecompress.engine import shard
 from moecompress.cli import main
-serve, calls = expert_shard.serve, []
+serve, calls = shard.serve, []
 def counted(*a, **k):
     calls.append(1)
     if len(calls) == int(os.environ.get("DIE_AT", "0")):
         os._exit(9)
     return serve(*a, **k)
-expert_shard.serve = counted
+shard.serve = counted
 code = main(sys.argv[1:])
 print(f"SERVED {len(calls)}", flush=True)
 sys.exit(code)
@@ -448,10 +448,10 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
 def test_chunk_parts_travel_as_bytes_unchanged(model):
     """A chunk's parts through safetensors + JSON (no pickle) equal the parts themselves; an error raised
     on the sending rank is raised again, with its type and line, on the receiving one."""
-    from moecompress.engine import chunk_wire
-    from moecompress.engine.chunk_work import ErrPart, chunk_parts, prepare
+    from moecompress.engine import shard as chunk_wire
     from moecompress.engine.context import RunContext
     from moecompress.engine.recipe import load_recipe
+    from moecompress.engine.unit_work import ErrPart, chunk_parts, prepare
 
     rec = load_recipe({"model": str(model / "model"), "output": str(model / "o"), "calibration": DATA_FREE,
                        "steps": [{"expert_prune": {"ratio": 0.25, "method": "random"}}, {"rtn": {"bits": 4}}]})  # fmt: skip

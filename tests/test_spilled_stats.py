@@ -116,7 +116,7 @@ def test_estimate_counts_one_chunk_of_the_per_expert_covariances(tmp_path):
 def test_calibration_cap_is_balanced(tmp_path):
     """``expert_chunk: auto``'s calibration chunk: as many chunks as the largest fitting size needs, of equal
     size (8 experts, 5 fit: two chunks of 4, not 5 + 3)."""
-    from moecompress.engine import chunk_plan
+    from moecompress.engine import units
 
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
     ckpt = mc.open_checkpoint(tmp_path / "m")
@@ -131,8 +131,8 @@ def test_calibration_cap_is_balanced(tmp_path):
             "calibration_memory_bytes"]
 
     assert e == 8 and need(4) < need(5) < need(6)
-    assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(5), sizes) == 4
-    assert chunk_plan.calibration_cap(rec, ckpt, torch.float32, need(2), sizes) == 2
+    assert units.calibration_cap(rec, ckpt, torch.float32, need(5), sizes) == 4
+    assert units.calibration_cap(rec, ckpt, torch.float32, need(2), sizes) == 2
 
 
 def test_the_statistics_cache_is_counted_on_the_output_disk(tmp_path):

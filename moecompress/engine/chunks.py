@@ -1,7 +1,7 @@
 """MoE layers held by chunks of experts: the chunk sub-layer, what a step reads of it, and how chunks
 join back into the layer that a whole-layer run would have produced.
 
-A layer listed in ``RunContext.expert_chunks`` is never held whole (:mod:`moecompress.engine.chunk_loop`):
+A layer listed in ``RunContext.expert_chunks`` is never held whole (:mod:`moecompress.engine.layer_run`):
 its *shell* (router, score bias, shared expert, protection, routing policy; routed experts on the
 ``meta`` device) is read once, then experts ``[a, b)`` at a time. For one chunk:
 

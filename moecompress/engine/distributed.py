@@ -11,7 +11,7 @@ The rule (``docs/distributed.md``): calibration is data-parallel (rank ``r`` run
 ``b % N == r``; every statistic is merged round by round, batch after batch, in the single process's
 order, so the bits are the same); rank 0 alone takes the locks, writes the statistics cache, the output,
 the journal and the atomic rename; in the layer loop the experts of a layer are sharded across the ranks
-(:mod:`moecompress.engine.expert_shard`, point to point: :meth:`Ranks.send_bytes`). A collective that
+(:mod:`moecompress.engine.shard`, point to point: :meth:`Ranks.send_bytes`). A collective that
 fails because another rank died raises :class:`~moecompress.errors.Interrupted`.
 """
 

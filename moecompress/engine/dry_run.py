@@ -21,7 +21,7 @@ import torch
 
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
 from moecompress.calibration.stats import SPILLED
-from moecompress.engine import chunk_plan, follow, resources, segments
+from moecompress.engine import follow, resources, segments, units
 from moecompress.engine.context import compute_dtype, resolve_device
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
@@ -148,10 +148,10 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     emitted = [s for s in recipe.steps if not s.spec.report_only]
     written = emitted if recipe.emit == "every_step" else emitted[-1:]
     nonstock: tuple[str, int] | None = None
-    chunked = chunk_plan.fixed_chunks(recipe, ckpt)
-    limit = chunk_plan.memory_limit(recipe) if recipe.expert_chunk == "auto" else None
+    chunked = units.fixed_chunks(recipe, ckpt)
+    limit = units.memory_limit(recipe) if recipe.expert_chunk == "auto" else None
     sizes = _stat_sizes(recipe, ckpt, needs)
-    cap = chunk_plan.calibration_cap(recipe, ckpt, dtype, limit, sizes) if limit is not None else None
+    cap = units.calibration_cap(recipe, ckpt, dtype, limit, sizes) if limit is not None else None
     for i in ckpt.moe_layer_indices:
         layer = meta_layer(ckpt, i)
         moe_in += layer.nbytes()
@@ -172,18 +172,18 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             before = out
         whole = max((e["bytes"] for e in entries), default=0)
         if limit is not None:  # expert_chunk: auto, chunks for a layer that does not fit whole
-            size = chunk_plan.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit, spilled)
+            size = units.auto_chunk(recipe, ckpt, i, layer, whole, dtype, stats, written, limit, spilled)
             if size is not None:
                 chunked[i] = size
-            if cap is not None and cap < layer.experts.num_experts and chunk_plan.chunkable(recipe, ckpt, i, layer):
+            if cap is not None and cap < layer.experts.num_experts and units.chunkable(recipe, ckpt, i, layer):
                 chunked[i] = min(chunked.get(i, cap), cap)  # calibration holds a chunk too
         if i in chunked:
-            chunk_plan.check_chunked(recipe, i, chunked[i], whole, limit, layer)
-            peaks = chunk_plan.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written, spilled)
-            share = chunk_plan.chunk_stats(stats, spilled, chunked[i], layer.experts.num_experts)
+            units.check_chunked(recipe, i, chunked[i], whole, limit, layer)
+            peaks = units.chunk_peaks(recipe, layer, chunked[i], dtype, stats, written, spilled)
+            share = units.chunk_stats(stats, spilled, chunked[i], layer.experts.num_experts)
             for e, p in zip(entries, peaks):
                 e.update(bytes=p, chunk=chunked[i], stats_bytes=share)
-        blocked = next((s.label for s in recipe.steps if chunk_plan.refusal(s, layer) is not None), None)
+        blocked = next((s.label for s in recipe.steps if units.refusal(s, layer) is not None), None)
         for step, e in zip(recipe.steps, entries):
             if blocked is not None:
                 e["whole_because"] = blocked  # a step that cannot run by chunks holds the layer whole

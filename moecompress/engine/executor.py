@@ -13,7 +13,7 @@
 4. run cross-layer **plans**;
 5. the **layer loop** (:mod:`moecompress.engine.run`): per decoder layer, read it, run the steps,
    write each emitted step's checkpoint, copy non-MoE tensors, free; journal for ``--resume``; under
-   ``torchrun`` the other ranks work chunks of experts for rank 0 (:mod:`moecompress.engine.expert_shard`);
+   ``torchrun`` the other ranks work chunks of experts for rank 0 (:mod:`moecompress.engine.shard`);
 6. reports, then the staging directory is renamed onto the output.
 """
 
@@ -46,7 +46,7 @@ from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.stats import SPILLED
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.engine import distributed, expert_shard, resources, segments
+from moecompress.engine import distributed, resources, segments, shard
 from moecompress.engine.context import RunContext, resolve_device
 from moecompress.engine.distributed import Launch
 from moecompress.engine.dry_run import dry_run
@@ -361,14 +361,14 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
             cache_key_extra=rec.fingerprint() if compressed else "",
         )  # fmt: skip
     if not ranks.is_writer:  # its calibration share is done; it works the chunks of experts rank 0 hands out
-        work = expert_shard.follow(ranks, ckpt, list(rec.steps), entry, ctx, lambda: run_plans(rec, ckpt, entry),
+        work = shard.follow(ranks, ckpt, list(rec.steps), entry, ctx, lambda: run_plans(rec, ckpt, entry),
                                    needs_stats=not rec.calibration.data_free)  # fmt: skip
         report = {"rank": ranks.rank, "calibration": calib, "layer_loop": work}
         return RunResult(Path(rec.output), report, cache_entry=entry)
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
     run.loop()
-    expert_shard.release(ranks, list(rec.steps))  # before the rename: a rank lost by now fails the run
+    shard.release(ranks, list(rec.steps))  # before the rename: a rank lost by now fails the run
     if entry is None:  # every row says that its error is unknown, not zero
         for rows in run.rows.values():
             for row in rows:

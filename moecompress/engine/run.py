@@ -14,30 +14,19 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from moecompress._version import __version__
-from moecompress.calibration.cache import load_layer
-from moecompress.engine.chunk_loop import chunked_layer
 from moecompress.engine.context import RunContext
-from moecompress.engine.expert_shard import chunk_size
-from moecompress.engine.follow import follower, split_kept
 from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
-from moecompress.engine.layer_loop import raw_layer_tensors, raw_selection, stream_layers, write_raw
-from moecompress.engine.protection import MASSIVE_RATIO_WARNING, RENUMBER_KEY, TopActivation
+from moecompress.engine.layer_loop import stream_layers
+from moecompress.engine.layer_run import run_layer
+from moecompress.engine.protection import MASSIVE_RATIO_WARNING
 from moecompress.engine.recipe import Recipe
-from moecompress.engine.resources import rss_mb
-from moecompress.engine.steps import run_step, step_stats
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
-from moecompress.io.format import config_with_layers, encode_layer, layer_shape
-from moecompress.io.quantized import check_stock_output, output_quantization_config
-from moecompress.io.routing import stored_policy
+from moecompress.io.format import config_with_layers
+from moecompress.io.quantized import output_quantization_config
 from moecompress.io.writer import ShardWriter, move_into_place
-from moecompress.ir import cast_layer, layer_to
-from moecompress.methods.metrics import relative_error, sqnr_db
-from moecompress.reference import moe_forward
-from moecompress.report.write import json_safe, write_run_report, write_step_report
+from moecompress.report.write import write_run_report, write_step_report
 
 
 def _checkpoint_dirs(rec: Recipe, staging: Path) -> dict[int, Path]:
@@ -114,83 +103,8 @@ class RecipeRun:
         )
 
     def moe_layer(self, idx: int) -> None:
-        # device-generic passes (PassSpec.on_device) and the reconstruction forwards run on the compute
-        # device, the others on the host; the writer takes every tensor to the host
-        size = chunk_size(self.rec, self.ckpt, self.ctx, idx)  # expert_chunk, or sharded over the ranks
-        if size is not None:  # never held whole (moecompress.engine.chunk_loop, engine.expert_shard)
-            return chunked_layer(self, idx, size)
-        dev, host = torch.device(self.ctx.device), torch.device("cpu")
-        layer = self.ckpt.read_layer(idx)
-        kept: list[int] | None = list(range(layer.router.num_experts))  # input experts, while only selected
-        stats = {host: load_layer(self.entry, idx) if self.entry is not None else {}}  # None: data-free run
-        if dev != host:
-            stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
-        dtype = self.ctx.dtype
-        hx = stats[dev].get("holdout_x")
-        hy = None
-        if hx is not None:  # the original block on the held-back tokens: the reference for every step
-            hx = hx.to(dtype)
-            top0 = TopActivation()
-            hy = moe_forward(layer_to(cast_layer(layer, dtype), dev), hx, top0)
-        errors = {"rel_error": 0.0, "sqnr_db": float("inf"), "massive_ratio": 1.0}  # of the unchanged layer
-        follows, version = follower(self.rec, stats[host], dtype), 0  # statistics follow the layer
-        for n, step in enumerate(self.rec.steps):
-            where = dev if step.spec.on_device else host
-            layer = layer_to(layer, where)
-            # sizes compare the step's input and output; the error is cumulative (vs the original block)
-            before_params, before_bytes = layer.num_params(), layer.nbytes()
-            t0 = time.perf_counter()
-            stats[host] = follows.before(n, step, layer)
-            if dev != host and version != follows.version:
-                stats[dev], version = {k: v.to(dev) for k, v in stats[host].items()}, follows.version
-            st = step_stats(step, idx, stats[where], plan=self.plans.get(step.number, {}).get(idx))
-            new, info = run_step(step, layer, st)
-            info, kept_neurons = split_kept(info)
-            follows.after(step, layer, new, kept_neurons)
-            secs = time.perf_counter() - t0
-            kept = _selection(step, layer, new, info, kept)
-            row = {
-                "layer": idx,
-                "params_before": before_params,
-                "params_after": new.num_params(),
-                "bytes_before": before_bytes,
-                "bytes_after": new.nbytes(),
-                "seconds": round(secs, 4),
-                "changed": new is not layer,
-            }
-            if hx is not None and hy is not None:
-                if new is not layer:  # an unchanged layer keeps the errors it had
-                    top = TopActivation()
-                    approx = moe_forward(layer_to(cast_layer(new, dtype), dev), hx, top)
-                    errors = {"rel_error": relative_error(hy, approx), "sqnr_db": sqnr_db(hy, approx),
-                              "massive_ratio": top.value / top0.value if top0.value > 0 else 1.0}  # fmt: skip
-                row.update(errors)
-            self.rows[step.number].append(row)
-            self.infos[step.number][idx] = json_safe(info)
-            if step.number in self.writers:
-                # a quantised input's layer that no step so far changed: its raw tensors, byte for byte
-                keep = not (self.dequantize or self._changed(idx, step.number))
-                raw = raw_layer_tensors(self.ckpt, idx) if keep else None
-                sel = None if keep or self.dequantize or kept is None else raw_selection(self.ckpt, idx, kept, new)
-                if raw is not None:
-                    tensors, self.descs[step.number][idx] = raw, None
-                elif sel is not None:  # only experts selected: the kept ones in their on-disk encoding
-                    tensors, self.descs[step.number][idx] = {}, None
-                    write_raw(self.writers[step.number], sel)
-                    self.kept_raw[step.number].add(idx)
-                else:
-                    tensors, self.descs[step.number][idx] = encode_layer(self.ckpt.adapter, layer_to(new, host))
-                    check_stock_output(self.ckpt, idx, self.descs[step.number][idx], self.dequantize)
-                self.shapes[step.number][idx] = layer_shape(new)
-                if new.protected:
-                    self.protected[step.number][str(idx)] = sorted(new.protected)
-                if new.routing:
-                    self.routing[step.number][str(idx)] = stored_policy(new)
-                self.writers[step.number].add_many(tensors)
-                del tensors
-            self.seconds[step.number] += secs
-            self.peak[step.number] = max(self.peak[step.number], rss_mb())
-            layer = new
+        """MoE layer ``idx``: its units worked and written (:func:`moecompress.engine.layer_run.run_layer`)."""
+        run_layer(self, idx)
 
     def _changed(self, idx: int, upto: int) -> bool:
         """Whether a step numbered ``<= upto`` changed MoE layer ``idx`` (from the report rows)."""
@@ -298,18 +212,6 @@ class RecipeRun:
         (self.staging / JOURNAL).unlink(missing_ok=True)
         move_into_place(self.staging, self.out)
         return run
-
-
-def _selection(step, layer, new, info: dict, kept: list[int] | None) -> list[int] | None:
-    """The input experts that ``new`` holds, unchanged, when every step so far only selected experts
-    (``Chunking('select')``: ``expert_prune``, protection); ``None`` once a step changed expert weights."""
-    if kept is None or new is layer:
-        return kept
-    mode = step.spec.chunking
-    if mode is None or mode.mode != "select":
-        return None
-    order = info.get(RENUMBER_KEY)
-    return kept if order is None else [kept[k] for k in order]
 
 
 def _massive_warnings(rows: list[dict]) -> list[str]:

@@ -188,7 +188,7 @@ class Chunking:
     ``prelude(shell, stats, cfg) -> value``: for an ``expert`` step, work that depends on the layer's
     shell and statistics but not on its routed experts (``codequant``'s rotation of the MoE input and the
     routing of its calibration tokens), done once per layer (in
-    :func:`moecompress.engine.chunk_work.prepare`) rather than once per chunk; each chunk's step reads
+    :func:`moecompress.engine.unit_work.prepare`) rather than once per chunk; each chunk's step reads
     it as ``stats.prelude``: ``value.chunk(a, b)`` when the value has such a method (experts ``[a, b)``
     of the step's input), else ``value`` itself. A whole-layer run never calls it (``stats.prelude`` is
     ``None``): a pass computes the same thing itself, with the same function, so that the outputs can
@@ -199,7 +199,7 @@ class Chunking:
 
     ``gather(sub, stats, cfg, acc) -> acc`` and ``fit(acc, shell, stats, cfg) -> value``: an ``expert``
     step in two phases, for what every expert of the layer shapes (``tdmoe``'s shared Tucker factors). In
-    :func:`~moecompress.engine.chunk_work.prepare`, a first sweep reads every chunk of the layer (the
+    :func:`~moecompress.engine.unit_work.prepare`, a first sweep reads every chunk of the layer (the
     earlier ``select`` steps applied) and folds it into ``acc`` (``None`` before the first chunk; chunks
     in order, ``stats`` the chunk's as in the second sweep); ``fit`` then makes, once per layer and with
     the layer's whole statistics, the value each chunk's step reads as ``stats.prelude``, exactly as a

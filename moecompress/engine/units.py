@@ -20,6 +20,7 @@ import math
 import torch
 
 from moecompress.engine import chunks, follow, resources
+from moecompress.engine.context import RunContext
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, RecipeError
 from moecompress.io.checkpoint import Checkpoint
@@ -225,3 +226,18 @@ def check_chunked(
             f"calibration.propagate: 'compressed' runs the steps on whole layers, but layer {i} is held by chunks of "
             f"{n} experts ({how.split(' holds')[0]}); use propagate: original or expert_chunk: off"
         )
+
+
+def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int | None:
+    """Experts per unit of MoE layer ``idx`` in the layer loop (``None``: one unit, the whole layer, on
+    rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / N)`` when every step
+    can run by chunks with the whole layer's result (``Chunking.exact``) and ``calibration.propagate`` is not
+    ``compressed``."""
+    if idx in ctx.expert_chunks:
+        return ctx.expert_chunks[idx]
+    n, e = ctx.ranks.world_size, int(ckpt.adapter.num_experts)
+    if n == 1 or e < 2 or rec.calibration.propagate == "compressed" or not chunkable(rec, ckpt, idx):
+        return None
+    if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
+        return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
+    return -(-e // n)

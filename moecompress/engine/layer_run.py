@@ -12,9 +12,9 @@ router tensors, the index vectors, the description, the shapes and the report ro
 over the chunks (the router and the shared expert once). A quantised input's layer that only selections
 touched is written in its on-disk encoding (:func:`moecompress.engine.layer_loop.raw_selection`).
 
-A chunk's own work is :func:`moecompress.engine.chunk_work.chunk_parts`; this module consumes its parts in
+A chunk's own work is :func:`moecompress.engine.unit_work.chunk_parts`; this module consumes its parts in
 chunk order (the error sums, the writers, the report). Under ``torchrun`` a chunk may be worked by another
-rank and its parts received here (:mod:`moecompress.engine.expert_shard`); the consumption is the same.
+rank and its parts received here (:mod:`moecompress.engine.shard`); the consumption is the same.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from moecompress.engine import chunks
-from moecompress.engine.chunk_work import ErrPart, StepPart, encode_chunk, prepare, skeleton
-from moecompress.engine.expert_shard import layer_chunks
 from moecompress.engine.layer_loop import raw_selection, write_raw
 from moecompress.engine.resources import release_freed, rss_mb
+from moecompress.engine.shard import layer_chunks
+from moecompress.engine.unit_work import ErrPart, StepPart, encode_chunk, prepare, skeleton, whole_parts
+from moecompress.engine.units import unit_size
 from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output
@@ -41,10 +42,21 @@ RecipeRun = Any
 """The run's state (:class:`moecompress.engine.run.RecipeRun`, which calls this module: not imported here)."""
 
 
-def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
-    """MoE layer ``idx`` of ``run`` by chunks of ``size`` experts (module docstring)."""
+def run_layer(run: RecipeRun, idx: int) -> None:
+    """MoE layer ``idx`` of ``run``: its units (:func:`moecompress.engine.units.unit_size`), worked in order by
+    whichever rank owns each, their parts consumed here (module docstring)."""
     steps = run.rec.steps
     plans = [run.plans.get(s.number, {}).get(idx) for s in steps]
+    size = unit_size(run.rec, run.ckpt, run.ctx, idx)
+    if size is None:  # one unit: the whole layer, each step with every rule it has
+        written = {s for s, step in enumerate(steps) if step.number in run.writers}
+        work = whole_parts(run.ckpt, run.rec, run.entry, plans, run.ctx, idx, written, run.dequantize)
+        rows: dict[int, dict] = {}
+        for part in work:
+            _take_whole(run, idx, steps[part.s], part, rows)
+        for s, step in enumerate(steps):
+            run.rows[step.number].append(rows[s])
+        return
     lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
     shell0, shells, kept_of, infos, secs, err = lp.shells[0], lp.shells, lp.kept_of, lp.infos, lp.secs, lp.err
     grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
@@ -89,9 +101,34 @@ def chunked_layer(run: RecipeRun, idx: int, size: int) -> None:
     _finish(run, idx, shells, parts, infos, chunk_infos, bnds, changed, secs, written, stock, err, raw)
 
 
+def _take_whole(run: RecipeRun, idx: int, step, part: StepPart, rows: dict[int, dict]) -> None:
+    """A whole-layer unit's step: its row and info, and for a written step its tensors to the writer now
+    (the layer is not held for the end) with the layer's records."""
+    w, number = part.whole, step.number
+    assert w is not None
+    rows[part.s] = w.row
+    run.infos[number][idx] = json_safe(part.info)
+    if number in run.writers:
+        if w.sel is not None:
+            write_raw(run.writers[number], w.sel)
+            run.kept_raw[number].add(idx)
+        if w.encoded:
+            check_stock_output(run.ckpt, idx, w.desc, run.dequantize)
+        run.descs[number][idx] = w.desc
+        run.shapes[number][idx] = w.shape
+        if w.protected:
+            run.protected[number][str(idx)] = w.protected
+        if w.routing:
+            run.routing[number][str(idx)] = w.routing
+        run.writers[number].add_many(w.tensors or {})
+        w.tensors = None
+    run.seconds[number] += part.secs
+    run.peak[number] = max(run.peak[number], rss_mb())
+
+
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     """A layer whose merging step (``Chunking('group')``, step ``g``) runs by units of groups: the earlier
-    steps only protect, the later ones only report (:func:`chunk_work.prepare` checks). Per unit, its
+    steps only protect, the later ones only report (:func:`unit_work.prepare` checks). Per unit, its
     members are read (runs of consecutive ids), their share of the original error sum added, the unit's
     output experts made, written and added to the merged layer's error sum."""
     steps, idx = run.rec.steps, lp.idx
@@ -180,7 +217,7 @@ def _raw_writes(run: RecipeRun, idx: int, steps, shells, kept_of) -> dict[int, l
 
 
 def _write_chunk(run: RecipeRun, idx: int, number: int, part: StepPart, stock: dict[int, bool]) -> None:
-    """One chunk's encoded routed experts of a written step (:func:`chunk_work.encode_chunk`) to its writer:
+    """One chunk's encoded routed experts of a written step (:func:`unit_work.encode_chunk`) to its writer:
     per-expert names under their ids in the layer, fused ``[E, ...]`` tensors as segments."""
     w = run.writers[number]
     if stock.setdefault(number, bool(part.stock)) != part.stock:
