@@ -60,13 +60,14 @@ def apply(
     )  # fmt: skip
 
 
-def load(path, *, dtype=None, device="cpu", routing=None, dequantize=None):
+def load(path, *, dtype=None, device="cpu", routing=None, dequantize=None, static=None):
     """Load a checkpoint written by moecompress (stock or compressed) as a transformers model;
     ``routing`` switches or changes its routing policies (``docs/routing.md``); ``dequantize``
-    (``"float16"``...) decodes quantised experts once at load, memory for CPU speed (``docs/serving.md``)."""
+    (``"float16"``...) decodes quantised experts once at load, memory for CPU speed; ``static=True``
+    prepares the static-shape forward ``torch.compile`` traces (``docs/serving.md``)."""
     from moecompress.runtime.loading import load as _load
 
-    return _load(path, dtype=dtype, device=device, routing=routing, dequantize=dequantize)
+    return _load(path, dtype=dtype, device=device, routing=routing, dequantize=dequantize, static=static)
 
 
 def set_routing(model, routing):

@@ -28,13 +28,16 @@ def load(
     device: str | torch.device = "cpu",
     routing: Any = None,
     dequantize: str | None = None,
+    static: bool | None = None,
 ):
     """Load ``path`` (directory or Hub id) as a ``transformers`` causal LM in eval mode. ``routing``:
     ``None`` applies the routing policies the checkpoint stores, ``"off"`` none, a mapping such as
     ``{"capacity_drop": {"gamma": 1.0}}`` sets those knobs on every MoE layer
     (:func:`moecompress.runtime.routing.set_routing`). ``dequantize`` (``"float16"``, ``"bfloat16"``,
     ``"float32"``) trades memory for CPU speed: quantised experts (``codebook``, ``rtn``) are decoded once
-    into dense weights of that dtype instead of per call (:func:`set_dequantize`)."""
+    into dense weights of that dtype instead of per call (:func:`set_dequantize`). The compressed experts
+    are prepared for serving on ``device`` before this returns (:func:`prepare`; ``static=True`` also
+    builds the static-shape forward ``torch.compile`` then traces, ``docs/serving.md``)."""
     from transformers import AutoModelForCausalLM
 
     from moecompress.io.hub import resolve_checkpoint_dir
@@ -70,7 +73,23 @@ def load(
         set_routing(model, routing)
     if dequantize is not None:
         set_dequantize(model, dequantize)
-    return model.to(device).eval()
+    return prepare(model.to(device).eval(), static=static)
+
+
+def prepare(model, *, static: bool | None = None):
+    """Prepare every :class:`~moecompress.runtime.quantizer.CompressedExperts` of ``model`` for serving
+    where its tensors are, once (:meth:`CompressedExperts.prepare`); ``static=True`` adds the static-shape
+    forward (no host sync, traced by ``torch.compile``; quantised and factorised experts decoded to dense
+    once), ``False`` leaves it out, ``None`` builds it only on CUDA where no Triton kernel serves the
+    layer. Call it again after moving the model or changing stored tensors in place. Returns ``model``."""
+    from moecompress.runtime.quantizer import CompressedExperts
+
+    if static not in (None, True, False):
+        raise ValueError(f"prepare: static={static!r}; pass True, False or None")
+    for module in model.modules():
+        if isinstance(module, CompressedExperts):
+            module.prepare(static=static)
+    return model
 
 
 def hub_kernel_free(directory: Path, device: torch.device, dequantize: bool) -> dict[str, Any]:
@@ -120,6 +139,7 @@ def set_dequantize(model, dtype: str | None) -> int:
     mods = [m for m in model.modules() if isinstance(m, CompressedExperts)]
     for m in mods:
         m.dense_dtype = None if dtype is None else DEQUANTIZE[dtype]
+        m.__dict__.pop("_prepared", None)  # prepared again, in the new dtype, on the next call
     return len(mods)
 
 

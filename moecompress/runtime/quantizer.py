@@ -15,6 +15,7 @@ shared experts stay transformers' own modules. No class is patched.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -64,19 +65,67 @@ class CompressedExperts(nn.Module):
         tensors = {f"x.{k}": v for k, v in self.state_dict(keep_vars=True).items()}
         return decode_bank(self.desc, tensors, "x")
 
+    def prepare(self, device: torch.device | str | None = None, *, static: bool | None = None):
+        """Prepare the bank for serving on ``device`` (default: where the stored tensors are), once: the
+        eager forward (:func:`prepare_serving`: Triton on CUDA, else the lean path) and, when ``static``
+        (default: on CUDA where no kernel serves the layouts), the static-shape forward
+        (:mod:`moecompress.runtime.static`) that ``torch.compile`` traces. ``moecompress.load`` calls it;
+        call it again (:func:`moecompress.runtime.loading.prepare`) after changing stored tensors on CUDA
+        or under ``torch.compile`` (eager CPU calls notice in-place edits). Returns ``self``."""
+        device = torch.device(device) if device is not None else next(iter(self._stored())).device
+        bank, emap = self.bank()
+        self._prepared = prepare_serving(bank, emap, self.dense_dtype)
+        if static is None:
+            static = getattr(self, "_want_static", None)
+        if static is None:
+            from moecompress.runtime.lean import LeanBank
+
+            static = device.type == "cuda" and isinstance(self._prepared, LeanBank)
+        self._want_static = static
+        from moecompress.runtime.static import prepare_static
+
+        self._static = prepare_static(bank, emap, self.dense_dtype) if static else None
+        # eager CPU calls re-prepare after an in-place edit (a cheap host-side key, never on CUDA or compiled)
+        self._prepared_key = self._stored_key() if device.type == "cpu" else None
+        self._handle = _register(self)
+        return self
+
+    def _stored(self):
+        """Every stored tensor (the module tree never changes)."""
+        return [t for m in self.modules() for t in (*m._parameters.values(), *m._buffers.values())]
+
+    def _stored_key(self):
+        return (self.dense_dtype, *((t.data_ptr(), t._version) for t in self._stored()))
+
+    def _apply(self, fn, recurse: bool = True):  # .to() / .cuda() / .half(): prepare again on the next call
+        self.__dict__.pop("_prepared", None)
+        self.__dict__.pop("_static", None)
+        return super()._apply(fn, recurse)
+
     def prepared(self, device: torch.device):
-        """The bank prepared for serving (:mod:`moecompress.runtime.lean`, or the Triton kernels on CUDA),
-        built on the first call and again only when a stored tensor moved, changed or the option did."""
-        slots = getattr(self, "_slots", None)
-        if slots is None:  # the (dict, name) of every stored tensor: the module tree never changes
-            slots = [(m._parameters, n) for m in self.modules() for n in m._parameters]
-            slots += [(m._buffers, n) for m in self.modules() for n in m._buffers]
-            self._slots = slots
-        key = (self.dense_dtype, device, *((d[n].data_ptr(), d[n]._version) for d, n in slots))
-        if getattr(self, "_prepared_key", None) != key:
-            self._prepared = prepare_serving(*self.bank(), self.dense_dtype)
-            self._prepared_key = key
+        """The prepared eager forward, prepared now when it is not (or is stale on an eager CPU call)."""
+        cached = self.__dict__.get("_prepared")
+        stale = cached is None or (
+            device.type == "cpu" and self.__dict__.get("_prepared_key") != self._stored_key()
+        )
+        if stale:
+            self.prepare(device)
         return self._prepared
+
+    def serve(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The fast (non-differentiable) forward, fp32 or ``x.dtype`` ``[T, H]``. Compiled: the static
+        forward when prepared, else the eager one behind the opaque op ``torch.ops.moecompress.experts``
+        (a pure call: no preparation, no host-side key); eager: :meth:`prepared`."""
+        if not torch.compiler.is_compiling():
+            return self.prepared(x.device)(x, ids, weights)
+        if self.__dict__.get("_prepared") is None:
+            raise RuntimeError(
+                "CompressedExperts is not prepared: call moecompress.runtime.loading.prepare(model) "
+                "(moecompress.load does) before torch.compile"
+            )
+        if self._static is not None:
+            return self._static(x, ids, weights)
+        return torch.ops.moecompress.experts(x, ids, weights, self._handle)
 
     def differentiable(self, *inputs: torch.Tensor) -> bool:
         """Whether a call must be differentiable: grad mode is on (not ``no_grad``/``inference_mode``) and
@@ -103,7 +152,7 @@ class CompressedExperts(nn.Module):
             bank, emap = self.autograd_bank()
             out = experts_forward(bank, hidden_states, top_k_index, top_k_weights, emap)
         else:
-            out = self.prepared(hidden_states.device)(hidden_states, top_k_index, top_k_weights)
+            out = self.serve(hidden_states, top_k_index, top_k_weights)
         return out.to(hidden_states.dtype)
 
 
@@ -118,7 +167,7 @@ class CompressedShared(CompressedExperts):
         else:
             ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-            y = self.prepared(x.device)(x, ids, ones)
+            y = self.serve(x, ids, ones)
         return y.reshape(hidden_states.shape).to(hidden_states.dtype)
 
 
@@ -136,6 +185,34 @@ def prepare_serving(bank, expert_map, dense_dtype=None):
         if fast is not None:
             return fast.forward
     return prepare(bank, expert_map, dense_dtype=dense_dtype)
+
+
+_SERVED: dict[int, weakref.ref] = {}
+"""Handle -> prepared :class:`CompressedExperts`, for the opaque op (a compiled graph holds the int)."""
+
+
+def _register(module: CompressedExperts) -> int:
+    handle = getattr(module, "_handle", None)
+    if handle is None:
+        handle = len(_SERVED)
+        _SERVED[handle] = weakref.ref(module)
+    return handle
+
+
+@torch.library.custom_op("moecompress::experts", mutates_args=())
+def _experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, handle: int) -> torch.Tensor:
+    """The prepared eager forward of the :class:`CompressedExperts` registered as ``handle``, opaque to
+    ``torch.compile`` (it may loop over experts and sync with the host inside: on CPU, or around Triton
+    kernels on CUDA)."""
+    module = _SERVED[handle]()
+    if module is None or module.__dict__.get("_prepared") is None:
+        raise RuntimeError(f"moecompress::experts: module {handle} is gone or was moved; prepare it again")
+    return module._prepared(x, ids, weights).float()
+
+
+@_experts_op.register_fake
+def _experts_fake(x, ids, weights, handle):
+    return x.new_empty(x.shape, dtype=torch.float32)
 
 
 def _on_cuda(bank) -> bool:
