@@ -1,25 +1,35 @@
-"""One MoE layer of a recipe run held by chunks of experts (``RunContext.expert_chunks``).
+"""The one loop over an MoE layer's units: a recipe run's layer, whole, by chunks of experts or across ranks.
 
-The layer's shell is read once (:meth:`Checkpoint.read_layer_shell`); the ``select`` steps
-(:class:`~moecompress.engine.spec.Chunking`) run on it with the layer's whole statistics and decide which
-experts survive. Then, chunk by chunk, experts ``[a, b)`` are read (:meth:`Checkpoint.read_experts`),
-taken through every step in order (``expert`` steps on the chunk's sub-layer, selections applied), and
-each written step's writer receives the chunk's tensors at once: per-expert names under their new ids,
-fused ``[E, ...]`` tensors as segments (:meth:`ShardWriter.append`). The chunk is then freed. At the end
-the whole output layer, on the ``meta`` device (:func:`moecompress.engine.chunks.join_bank`), gives the
-router tensors, the index vectors, the description, the shapes and the report rows, as a whole-layer run
-(:meth:`RecipeRun.moe_layer`) records them. The reconstruction error on the held-back tokens is a sum
-over the chunks (the router and the shared expert once). A quantised input's layer that only selections
-touched is written in its on-disk encoding (:func:`moecompress.engine.layer_loop.raw_selection`).
+A layer's work is a list of *units* (ranges of experts) that :func:`moecompress.engine.units.unit_size`
+decides: the whole layer is one unit; chunking is smaller units; under ``torchrun`` unit ``k`` is worked
+by rank ``k mod N`` (:mod:`moecompress.engine.shard`). :func:`run_layer` takes each unit's parts in unit
+order, whichever rank worked it, into the same books (:class:`Books`), then finishes the layer: report
+rows, infos, the reconstruction error, the writers' whole-layer records.
 
-A chunk's own work is :func:`moecompress.engine.unit_work.chunk_parts`; this module consumes its parts in
-chunk order (the error sums, the writers, the report). Under ``torchrun`` a chunk may be worked by another
-rank and its parts received here (:mod:`moecompress.engine.shard`); the consumption is the same.
+A unit's own work is :mod:`moecompress.engine.unit_work`:
+
+- the whole layer (:func:`~moecompress.engine.unit_work.whole_parts`): read whole, every step with every
+  rule it has (cross-expert steps, router or shared-expert changes, statistics that follow the layer);
+  each step's part carries its report row and its tensors, written as the part is taken;
+- a unit of experts ``[a, b)`` (:func:`~moecompress.engine.unit_work.chunk_parts`): the layer's shell is
+  read once and the ``select`` steps (:class:`~moecompress.engine.spec.Chunking`) decide on it, with the
+  layer's whole statistics, which experts survive (:func:`~moecompress.engine.unit_work.prepare`); the
+  unit's experts are read (:meth:`Checkpoint.read_experts`), taken through every step in order, and each
+  written step's writer receives the unit's tensors at once: per-expert names under their new ids, fused
+  ``[E, ...]`` tensors as segments (:meth:`ShardWriter.append`). At the end the whole output layer, on the
+  ``meta`` device (:func:`moecompress.engine.chunks.join_bank`), gives the router tensors, the index
+  vectors, the description, the shapes and the report rows, as the whole unit records them. The
+  reconstruction error on the held-back tokens is a sum over the units (the router and the shared expert
+  once). A quantised input's layer that only selections touched is written in its on-disk encoding
+  (:func:`moecompress.engine.layer_loop.raw_selection`);
+- units of groups of a merging step (``Chunking('group')``, :func:`_grouped_layer`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +52,26 @@ RecipeRun = Any
 """The run's state (:class:`moecompress.engine.run.RecipeRun`, which calls this module: not imported here)."""
 
 
+@dataclass
+class Books:
+    """What the loop keeps of a layer until its last unit is consumed: per step, the units' skeleton banks,
+    infos and bounds, whether it changed the layer, its seconds; the written steps, the chunks' on-disk
+    form, the error sums, the steps written raw; a whole-layer unit's rows (``whole``)."""
+
+    shells: list
+    infos: dict
+    secs: list[float]
+    written: list[int]
+    changed: list[bool]
+    err: Any = None
+    raw: dict = field(default_factory=dict)
+    parts: list[list[ExpertBank]] = field(default_factory=list)
+    chunk_infos: list[list[dict]] = field(default_factory=list)
+    bnds: list[list[tuple[int, int]]] = field(default_factory=list)
+    stock: dict[int, bool] = field(default_factory=dict)
+    whole: dict[int, dict] | None = None
+
+
 def run_layer(run: RecipeRun, idx: int) -> None:
     """MoE layer ``idx`` of ``run``: its units (:func:`moecompress.engine.units.unit_size`), worked in order by
     whichever rank owns each, their parts consumed here (module docstring)."""
@@ -49,56 +79,71 @@ def run_layer(run: RecipeRun, idx: int) -> None:
     plans = [run.plans.get(s.number, {}).get(idx) for s in steps]
     size = unit_size(run.rec, run.ckpt, run.ctx, idx)
     if size is None:  # one unit: the whole layer, each step with every rule it has
-        written = {s for s, step in enumerate(steps) if step.number in run.writers}
-        work = whole_parts(run.ckpt, run.rec, run.entry, plans, run.ctx, idx, written, run.dequantize)
-        rows: dict[int, dict] = {}
-        for part in work:
-            _take_whole(run, idx, steps[part.s], part, rows)
+        written = [s for s, step in enumerate(steps) if step.number in run.writers]
+        books = Books([], {}, [0.0] * len(steps), written, [False] * len(steps), whole={})
+        units: Iterable[Iterable] = [
+            whole_parts(run.ckpt, run.rec, run.entry, plans, run.ctx, idx, set(written), run.dequantize)
+        ]
+    else:
+        lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
+        grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
+        if grouped:
+            return _grouped_layer(run, lp, size, grouped[0])
+        books, read = _chunk_books(run, idx, lp)
+        units = layer_chunks(run.ctx.ranks, lp, size, set(books.written)) if read else []
+    for unit in units:
+        for part in unit:  # in unit order, whichever rank worked the unit
+            _take(run, idx, books, part)
+            del part
+        del unit
+        release_freed()  # the unit's memory back to the system before the next unit is read
+    if books.whole is not None:
         for s, step in enumerate(steps):
-            run.rows[step.number].append(rows[s])
+            run.rows[step.number].append(books.whole[s])
         return
-    lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
-    shell0, shells, kept_of, infos, secs, err = lp.shells[0], lp.shells, lp.kept_of, lp.infos, lp.secs, lp.err
-    grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
-    if grouped:
-        return _grouped_layer(run, lp, size, grouped[0])
-    raw = _raw_writes(run, idx, steps, shells, kept_of)
+    _finish(run, idx, books.shells, books.parts, books.infos, books.chunk_infos, books.bnds, books.changed,
+            books.secs, books.written, books.stock, books.err, books.raw)  # fmt: skip
+
+
+def _chunk_books(run: RecipeRun, idx: int, lp) -> tuple[Books, bool]:
+    """A layer by units of experts before its first unit: the steps written raw (selections only, on a
+    quantised input) written now; whether any unit must be read (``False``: only selections, nothing
+    written or measured: the shell's bank, taken, is the output)."""
+    steps, shells = run.rec.steps, lp.shells
+    raw = _raw_writes(run, idx, steps, shells, lp.kept_of)
     for s, writes in raw.items():
         write_raw(run.writers[steps[s].number], writes)
     written = [s for s, step in enumerate(steps) if step.number in run.writers and s not in raw]
     changed = [shells[s + 1] is not shells[s] for s in range(len(steps))]
-    if err is None and not written and all(step.spec.chunking.mode == "select" for step in steps):
-        parts, bank = [], shell0.experts  # nothing needs the experts' values: no chunk is read
-        for kept in kept_of:
+    books = Books(shells, lp.infos, lp.secs, written, changed, lp.err, raw, [[] for _ in steps],
+                  [[] for _ in steps], [[] for _ in steps])  # fmt: skip
+    if lp.err is None and not written and all(step.spec.chunking.mode == "select" for step in steps):
+        bank = shells[0].experts
+        for s, kept in enumerate(lp.kept_of):
             bank = bank if kept is None else chunks.take(bank, list(kept))
-            parts.append([bank])
-        no_infos: list[list[dict]] = [[] for _ in steps]
-        return _finish(run, idx, shells, parts, infos, no_infos, [[] for _ in steps], changed, secs, written, {},
-                       None, raw)  # fmt: skip
-    stock: dict[int, bool] = {}
-    parts: list[list[ExpertBank]] = [[] for _ in steps]
-    bnds: list[list[tuple[int, int]]] = [[] for _ in steps]
-    chunk_infos: list[list[dict]] = [[] for _ in steps]
-    for chunk in layer_chunks(run.ctx.ranks, lp, size, set(written)):
-        for part in chunk:  # in chunk order, whichever rank worked the chunk
-            if isinstance(part, ErrPart):
-                err.add(part)  # type: ignore[union-attr]
-                continue
-            s, step = part.s, steps[part.s]
-            secs[s] += part.secs
-            if part.bound is not None:  # an ``expert`` step
-                changed[s] = changed[s] or part.changed
-                chunk_infos[s].append(part.info)  # type: ignore[arg-type]
-                bnds[s].append(part.bound)
-            if part.skeleton is not None:
-                parts[s].append(part.skeleton)
-                if s in written:
-                    _write_chunk(run, idx, step.number, part, stock)
-            run.peak[step.number] = max(run.peak[step.number], rss_mb())
-            del part
-        del chunk
-        release_freed()  # the chunk's memory back to the system before the next chunk is read
-    _finish(run, idx, shells, parts, infos, chunk_infos, bnds, changed, secs, written, stock, err, raw)
+            books.parts[s].append(bank)
+        return books, False
+    return books, True
+
+
+def _take(run: RecipeRun, idx: int, books: Books, part: ErrPart | StepPart) -> None:
+    """One part of a unit, in unit order."""
+    if isinstance(part, ErrPart):
+        books.err.add(part)
+        return
+    s, step = part.s, run.rec.steps[part.s]
+    if part.whole is not None:
+        return _take_whole(run, idx, step, part, books.whole)  # type: ignore[arg-type]
+    books.secs[s] += part.secs
+    if part.bound is not None:  # an ``expert`` step
+        books.changed[s] = books.changed[s] or part.changed
+        books.chunk_infos[s].append(part.info)  # type: ignore[arg-type]
+        books.bnds[s].append(part.bound)
+    if part.skeleton is not None:
+        books.parts[s].append(part.skeleton)
+        if s in books.written:
+            _write_chunk(run, idx, step.number, part, books.stock)
+    run.peak[step.number] = max(run.peak[step.number], rss_mb())
 
 
 def _take_whole(run: RecipeRun, idx: int, step, part: StepPart, rows: dict[int, dict]) -> None:
