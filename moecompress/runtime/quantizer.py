@@ -115,9 +115,13 @@ class CompressedExperts(nn.Module):
     def serve(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The fast (non-differentiable) forward, fp32 or ``x.dtype`` ``[T, H]``. Compiled: the static
         forward when prepared, else the eager one behind the opaque op ``torch.ops.moecompress.experts``
-        (a pure call: no preparation, no host-side key); eager: :meth:`prepared`."""
+        (a pure call: no preparation, no host-side key); eager: :meth:`prepared` (on CUDA with a static
+        forward, that one at decode sizes, ``T·k ≤ E``)."""
         if not torch.compiler.is_compiling():
-            return self.prepared(x.device)(x, ids, weights)
+            fwd, static = self.prepared(x.device), self._static
+            if static is not None and x.device.type == "cuda" and ids.numel() <= static.gate.shape[0]:
+                return static(x, ids, weights)  # CUDA decode without a kernel: no host sync, graph-capturable
+            return fwd(x, ids, weights)
         if self.__dict__.get("_prepared") is None:
             raise RuntimeError(
                 "CompressedExperts is not prepared: call moecompress.runtime.loading.prepare(model) "
