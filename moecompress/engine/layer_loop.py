@@ -9,25 +9,25 @@ tensor of the group is read once and copied to every writer. Only one layer is i
 The copy is raw: the on-disk names and bytes (:attr:`Checkpoint.raw`), so a quantised input's FP8 or
 packed tensors and their scales pass through unchanged; only ``on_moe`` sees the logical (dequantised)
 view, and writes an MoE layer that no step changed from its raw tensors too
-(:func:`raw_layer_tensors`).
+(:func:`moecompress.io.raw.raw_layer_tensors`).
 
 ``moecompress apply`` (:mod:`moecompress.engine.run`) and :func:`rewrite_checkpoint` are both this loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from moecompress.engine.resources import release_freed
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output, output_quantization_config
+from moecompress.io.raw import raw_layer_tensors
 from moecompress.io.reader import read_groups
-from moecompress.io.routing import routing_tensors, stored_policy
+from moecompress.io.routing import stored_policy
 from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
 from moecompress.ir import MoELayer
 
@@ -68,92 +68,6 @@ def stream_layers(
                 w.add_many(tensors)
             del tensors  # written: the next group is read into the memory this one held
             release_freed()
-
-
-def raw_layer_tensors(ckpt: Checkpoint, idx: int) -> dict | None:
-    """The on-disk tensors of MoE layer ``idx`` of a quantised input (to write an unchanged layer in its
-    original encoding, byte for byte); ``None`` for any other input (re-encoded as before)."""
-    return ckpt.raw.get_many(ckpt.raw_moe_keys(idx)) if ckpt.quantization else None
-
-
-RAW_RUN = 8
-"""Experts of a fused ``[E, ...]`` on-disk tensor copied per piece by :func:`raw_selection`."""
-
-RawWrite = tuple[str, torch.dtype, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]
-"""One tensor to write: name, dtype, shape and a function giving its pieces (read when written)."""
-
-
-def raw_selection(ckpt: Checkpoint, idx: int, kept: Sequence[int], layer: MoELayer) -> list[RawWrite] | None:
-    """MoE layer ``idx`` of a quantised input whose routed experts are a selection of the input's, unchanged
-    (``kept``: the input expert ids, in the new order; ``expert_prune``, protection), written in the input's
-    on-disk encoding: every kept expert's stored tensors (FP8 weight and ``weight_scale_inv``, packed codes
-    and scales, ...) under its new id, the kept rows of fused ``[E, ...]`` tensors (MXFP4 blocks and scales,
-    biases), the shared expert's stored tensors as they are, and the router rows and routing-policy
-    tensors from ``layer``. ``None`` when the input is not quantised or the layer cannot be written so (a
-    quantised router that the selection changed); nothing is read before a tensor is written."""
-    if not ckpt.quantization:
-        return None
-    ad, r, raw = ckpt.adapter, ckpt.reader, ckpt.raw
-    e_in = int(ad.num_experts)
-    identity = list(kept) == list(range(e_in))
-    new_id = {int(old): n for n, old in enumerate(kept)}
-    experts = ad.expert_keys(idx, r.keys)
-    expert_set = set(experts)
-    routing = set(routing_tensors(ad, idx, ckpt.routing.get(idx)))
-    router = {} if identity else ad.router_tensors(layer, shared=False)
-    out: list[RawWrite] = []
-
-    def whole(name: str) -> Callable[[], Iterator[torch.Tensor]]:
-        return lambda: iter([raw.get_many([name])[name]])
-
-    def logical(t: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
-        return lambda: iter([t])
-
-    def rows(name: str) -> Callable[[], Iterator[torch.Tensor]]:
-        def gen() -> Iterator[torch.Tensor]:
-            ids = [int(k) for k in kept]
-            a = 0
-            while a < len(ids):  # runs of consecutive kept experts, RAW_RUN at a time
-                b = a + 1
-                while b < len(ids) and b - a < RAW_RUN and ids[b] == ids[b - 1] + 1:
-                    b += 1
-                yield raw.get_rows(name, ids[a], ids[b - 1] + 1)
-                a = b
-
-        return gen
-
-    for k in ckpt.moe_keys(idx):
-        if k in routing:
-            continue
-        names = r.raw_names([k]) if hasattr(r, "raw_names") else [k]
-        if k in router:
-            if names != [k]:  # a quantised router whose rows change: not in its encoding
-                return None
-            t = router[k]
-            out.append((k, t.dtype, tuple(t.shape), logical(t)))
-            continue
-        for name in names:
-            shape, dtype = tuple(raw.shape(name)), raw.torch_dtype(name)
-            if k not in expert_set or identity:
-                out.append((name, dtype, shape, whole(name)))
-                continue
-            e = ad.expert_of(name)
-            if e is not None:
-                if e in new_id:
-                    out.append((ad.renumber_key(name, new_id[e]), dtype, shape, whole(name)))
-            elif shape and shape[0] == e_in:
-                out.append((name, dtype, (len(kept), *shape[1:]), rows(name)))
-            else:
-                return None
-    for name, t in encode_routing(ad, layer).items():
-        out.append((name, t.dtype, tuple(t.shape), logical(t)))
-    return out
-
-
-def write_raw(writer: ShardWriter, writes: list[RawWrite]) -> None:
-    """Write :func:`raw_selection`'s tensors, each read as it is written."""
-    for name, dtype, shape, pieces in writes:
-        writer.add_pieces(name, dtype, shape, pieces())
 
 
 def rewrite_checkpoint(

@@ -21,7 +21,7 @@ A unit's own work is :mod:`moecompress.engine.unit_work`:
   vectors, the description, the shapes and the report rows, as the whole unit records them. The
   reconstruction error on the held-back tokens is a sum over the units (the router and the shared expert
   once). A quantised input's layer that only selections touched is written in its on-disk encoding
-  (:func:`moecompress.engine.layer_loop.raw_selection`);
+  (:func:`moecompress.io.raw.raw_selection`);
 - units of groups of a merging step (``Chunking('group')``, :func:`_grouped_layer`).
 """
 
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from moecompress.engine import chunks
-from moecompress.engine.layer_loop import raw_selection, write_raw
 from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.shard import layer_chunks
 from moecompress.engine.unit_work import ErrPart, StepPart, encode_chunk, prepare, skeleton, whole_parts
@@ -43,6 +42,7 @@ from moecompress.engine.units import unit_size
 from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output
+from moecompress.io.raw import raw_selection, write_raw
 from moecompress.io.routing import stored_policy
 from moecompress.ir import ExpertBank, MoELayer, layer_to
 from moecompress.methods.metrics import relative_error, sqnr_db

@@ -3,7 +3,8 @@ journal, then reports and the atomic rename.
 
 Everything is written into ``.<output>.partial/`` beside the output directory and renamed onto it only
 at the end (:mod:`moecompress.engine.journal` says how ``--resume`` continues). The loop itself is
-:func:`moecompress.engine.layer_loop.stream_layers`; every computation is deterministic, so a resumed
+:func:`moecompress.engine.layer_loop.stream_layers`, each MoE layer by
+:func:`moecompress.engine.layer_run.run_layer` (its units; :class:`RecipeRun` holds the state); every computation is deterministic, so a resumed
 output is byte-identical to an uninterrupted one.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from moecompress._version import __version__
@@ -102,17 +104,13 @@ class RecipeRun:
             },
         )
 
-    def moe_layer(self, idx: int) -> None:
-        """MoE layer ``idx``: its units worked and written (:func:`moecompress.engine.layer_run.run_layer`)."""
-        run_layer(self, idx)
-
     def _changed(self, idx: int, upto: int) -> bool:
         """Whether a step numbered ``<= upto`` changed MoE layer ``idx`` (from the report rows)."""
         return any(r["changed"] for n, rows in self.rows.items() if n <= upto for r in rows if r["layer"] == idx)
 
     def loop(self) -> None:
         stream_layers(
-            self.ckpt, list(self.writers.values()), self.moe_layer, start_group=self.start_group,
+            self.ckpt, list(self.writers.values()), partial(run_layer, self), start_group=self.start_group,
             on_flush=self.save_journal, progress=self.ctx.progress, desc="compress", raw=not self.dequantize,
         )  # fmt: skip
 

@@ -26,13 +26,13 @@ from moecompress.calibration.cache import ExpertRows, load_layer
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.follow import follower, split_kept
-from moecompress.engine.layer_loop import raw_layer_tensors, raw_selection
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
 from moecompress.engine.resources import release_freed
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.errors import MoecompressError, PassError
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import encode_bank, encode_layer, is_stock, layer_shape
+from moecompress.io.raw import raw_layer_tensors, raw_selection
 from moecompress.io.routing import stored_policy
 from moecompress.ir import ExpertBank, MoELayer, cast_layer, layer_to
 from moecompress.layouts import LAYOUTS
