@@ -22,7 +22,7 @@ item 5; docs/serving.md, "The fastest way to serve a loaded model with transform
   the original are measured interleaved in ``--repeats`` rounds (best of each); ratios are layout over
   original in the same rounds and form (> 1: faster). Wall time, synchronised.
 
-The dry run measures every layout eager and compiles one (decode batch 1 only). Work is ordered by
+The dry run measures every layout eager and compiles one (prefill and decode batch 1). Work is ordered by
 priority (eager rows first, then compiled rows, layouts in the issue's order) and
 stops starting compiled rows after ``--budget-s`` seconds (compiles dominate); rows not run and rows that
 failed are listed in the JSON with their reason. ``OMP_NUM_THREADS=1`` for the CPU dry run.
@@ -193,25 +193,32 @@ def compiled(model, how: str, mode: str):
     return lambda: [setattr(layer, "_compiled_call_impl", None) for layer in model.model.layers]
 
 
-def measure(model, args, dev, form: str) -> dict:
-    """Tokens/s of every shape for one model in one form (one untimed warm-up call each: compiles,
-    Triton JIT, CUDA-graph capture)."""
-    undo = compiled(model, args.compile, args.mode) if form == "compiled" else None
+def measure(model, args, dev, form: str, warm: bool = True) -> dict:
+    """Tokens/s of every shape for one model in one form (``warm``: one untimed call first, for the
+    compiles, Triton JIT and CUDA-graph capture of the first round). A warm compiled prefill is compared
+    with the eager one: ``logits_rel_err``, max |compiled - eager| / max |eager| of the last logits."""
+    calls = runners(model, args, dev)
     res = {}
-    try:
-        with torch.no_grad():
-            for shape, (call, tokens) in runners(model, args, dev).items():
+    with torch.no_grad():
+        ref = calls["prefill"][0]().logits.float() if form == "compiled" and warm else None
+        undo = compiled(model, args.compile, args.mode) if form == "compiled" else None
+        try:
+            for shape, (call, tokens) in calls.items():
                 if form == "compiled" and shape not in args.compiled_shapes:
                     continue
-                call()
+                if warm:
+                    out = call()
+                    if ref is not None and shape == "prefill":
+                        diff = (out.logits.float() - ref).abs().max() / ref.abs().max()
+                        res["logits_rel_err"] = float(diff)
                 sync(dev)
                 t0 = time.perf_counter()
                 call()
                 sync(dev)
                 res[shape] = tokens / (time.perf_counter() - t0)
-    finally:
-        if undo is not None:
-            undo()
+        finally:
+            if undo is not None:
+                undo()
     return res
 
 
@@ -246,17 +253,17 @@ def bench(args) -> dict:
                 skipped.append(f"{name}/{form}: the dry run compiles one layout")
                 continue
             try:
-                for _ in range(args.repeats):  # interleaved with the original, best of each
+                for r in range(args.repeats):  # interleaved with the original, best of each
                     for label, m in ((f"original@{name}", original), (name, model)):
                         key = f"{label}/{form}"
-                        for shape, v in measure(m, args, dev, form).items():
-                            best.setdefault(key, {})[shape] = max(best.get(key, {}).get(shape, 0.0), v)
+                        for what, v in measure(m, args, dev, form, warm=r == 0).items():
+                            best.setdefault(key, {})[what] = max(best.get(key, {}).get(what, 0.0), v)
             except Exception as err:
                 failed[f"{name}/{form}"] = f"{type(err).__name__}: {err}"[:300]
                 continue
             row = best[f"{name}/{form}"]
             base = best[f"original@{name}/{form}"]
-            ratios = {s: row[s] / base[s] for s in row}
+            ratios = {s: row[s] / base[s] for s in row if s in base and not s.startswith("logits")}
             best[f"{name}/{form}"] = {**row, **{f"ratio_{s}": r for s, r in ratios.items()}}
             print(f"{name}/{form}: " + ", ".join(f"{s} {row[s]:.0f} tok/s ({r:.2f}x)" for s, r in ratios.items()),
                   flush=True)  # fmt: skip
@@ -295,7 +302,7 @@ def parse(argv=None) -> argparse.Namespace:
             setattr(args, name, tiny if dry else full)
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    args.compiled_shapes = ("decode_b1",) if dry else ("prefill", "decode_b1", "decode_b16")
+    args.compiled_shapes = ("prefill", "decode_b1") if dry else ("prefill", "decode_b1", "decode_b16")
     if args.mode is None:
         args.mode = "reduce-overhead" if torch.cuda.is_available() and not dry else "default"
     return args
