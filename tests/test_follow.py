@@ -195,6 +195,32 @@ def test_expert_chunk_recalibrates_what_cannot_follow_a_chunked_layer(tmp_path, 
                                       progress=False).report["dry_run"]  # fmt: skip
 
 
+@pytest.mark.parametrize("merge", [{"namex": {"ratio": 0.5}}, {"merge_experts": {"ratio": 0.5}}])
+def test_expert_chunk_cuts_around_a_merge_by_groups(tmp_path, model, merge):
+    """A merge by chunks works units of groups of its input's experts, so under expert_chunk: N with
+    recalibrate: auto a step that changes the layer before it, and one after it, each start a segment:
+    prune, merge, quantise runs by chunks in three segments, and writes the bytes of the three steps run
+    as three recipes, each on the previous output, by chunks."""
+    from safetensors.torch import load_file
+
+    steps = [{"expert_prune": {"ratio": 0.25, "method": "frequency"}}, merge, {"rtn": {"bits": 4, "group_size": 16}}]
+    both = {**_recipe(model, tmp_path / "all", steps), "expert_chunk": 3}
+    plan = mc.apply(both, dry_run=True, progress=False).report["dry_run"]
+    name = next(iter(merge))
+    assert plan["segments"] == [["step 1 (expert_prune)"], [f"step 2 ({name})"], ["step 3 (rtn)"]]
+    mc.apply(both, progress=False)
+    src = model
+    for n, step in enumerate(steps):
+        mc.apply({**_recipe(src, tmp_path / f"s{n}", [step]), "expert_chunk": 3}, progress=False)
+        src = tmp_path / f"s{n}"
+    got, want = load_file(tmp_path / "all" / "model.safetensors"), load_file(src / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    off = {**_recipe(model, tmp_path / "off", steps), "expert_chunk": 3,
+           "calibration": {**both["calibration"], "recalibrate": "off"}}  # fmt: skip
+    with pytest.raises(RecipeError, match="recalibrate: auto"):
+        mc.apply(off, dry_run=True, progress=False)
+
+
 PIPELINES = ["expert_prune_gptq", "heapr_gptq", "namex_rtn", "prune_then_quantize"]
 
 

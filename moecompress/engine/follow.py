@@ -81,9 +81,10 @@ def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str,
     out: list[dict[str, str]] = []
     cut: list[int] = []
     changer = None  # the segment's first per-expert step that changes the layer
+    alterer = grouper = None  # the segment's first step that changes the layer; its merge by units of groups
     for index, step in enumerate(steps):
         if step.spec.stage is not None:  # the next segment is calibrated on the stage's output
-            mapped, stale, changer = {}, {}, None
+            mapped, stale, changer, alterer, grouper = {}, {}, None, None, None
             out.append({})
             continue
         why = _cannot_follow(step, stale, mapped)
@@ -91,13 +92,20 @@ def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str,
             why = "held by chunks"  # strict: nothing follows the layer, the step reads a fresh calibration
         if why is None and recalibrate == "chunks" and changer is not None and _gathers(step):
             why = "held by chunks"  # its first sweep would rerun the earlier step on every chunk
+        alters = not step.spec.report_only and bool(step.spec.alters_for(step.config))
+        if why is None and recalibrate == "chunks" and alters and (grouper is not None or (alterer is not None and _groups(step))):
+            why = "held by chunks"  # a merge by units of groups reads the segment's input experts, and writes them
         if why is not None:
             if not recalibrate:
                 raise RecipeError(why)
             mapped, stale, changer = {}, {}, None  # a new segment: this step reads a fresh calibration of its input
+            alterer = grouper = None
             cut.append(index)
         if changer is None and _changes_experts(step):
             changer = step
+        if alters:
+            alterer = alterer or step
+            grouper = grouper or (step if _groups(step) else None)
         rules: dict[str, str] = {}
         for name in sorted(step.needs):
             by = stale.get(name, mapped.get(name))
@@ -125,11 +133,26 @@ def _gathers(step: Any) -> bool:
     return step.spec.chunking is not None and step.spec.chunking.gather is not None
 
 
+def _groups(step: Any) -> bool:
+    """A merging step by chunks (``Chunking('group')``): its units are groups of the input's experts."""
+    return step.spec.chunking is not None and step.spec.chunking.mode == "group"
+
+
 def _changes_experts(step: Any) -> bool:
     """A per-expert (or merging) step by chunks (``Chunking`` mode ``expert``, ``group``) that changes the layer."""
     mode = step.spec.chunking
     return (mode is not None and mode.mode in ("expert", "group") and not step.spec.report_only
             and bool(step.spec.alters_for(step.config)))  # fmt: skip
+
+
+def segment_of(steps: Sequence[Any], recalibrate: bool | str = False) -> list[int]:
+    """Per step, the number of its segment among the cuts ``recalibrate`` makes (stages aside)."""
+    fresh = set(_walk(steps, recalibrate)[1]) if recalibrate else set()
+    out, seg = [], 0
+    for index in range(len(steps)):
+        seg += index in fresh
+        out.append(seg)
+    return out
 
 
 def gather_conflict(steps: Sequence[Any], recalibrate: bool | str = False) -> tuple[Any, Any] | None:

@@ -60,7 +60,7 @@ def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None =
     ``layer``: its shapes (read from the shard headers when not given)."""
     if i in ckpt.layouts or follow.required(recipe.steps, recipe.recalibrates):
         return False
-    if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None or group_conflict(recipe.steps):
+    if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None or group_conflict(recipe.steps, recipe.recalibrates):
         return False
     if any(refusal(s) is not None for s in recipe.steps):
         return False
@@ -96,15 +96,16 @@ def calibration_cap(
     return math.ceil(e / math.ceil(e / lo))  # balanced: as many chunks, none smaller than the others
 
 
-def group_conflict(steps) -> tuple | None:
+def group_conflict(steps, recalibrate: bool | str = False) -> tuple | None:
     """``(merge, other)``: a merging step by chunks (``Chunking('group')``, its units groups of experts) with
-    a step that changes the layer in the same recipe (only selections of no expert, such as protection,
-    may come before it; only reports after it); ``None``: none."""
+    a step that changes the layer in the same segment (the recipe, or what ``recalibrate`` cuts of it: only
+    selections of no expert, such as protection, may come before it; only reports after it); ``None``: none."""
+    seg = follow.segment_of(steps, recalibrate)
     for s, step in enumerate(steps):
         if step.spec.chunking is None or step.spec.chunking.mode != "group":
             continue
         for j, other in enumerate(steps):
-            if j == s or other.spec.report_only or not other.spec.alters_for(other.config):
+            if seg[j] != seg[s] or j == s or other.spec.report_only or not other.spec.alters_for(other.config):
                 continue
             if j < s and other.spec.chunking is not None and other.spec.chunking.mode == "select":
                 continue
@@ -198,13 +199,13 @@ def check_chunked(
             f"{earlier.label} would have to run twice on every chunk, but {how}; set calibration.recalibrate: auto "
             f"(a new segment from {step.spec.name}), run them as two recipes, or set expert_chunk: off"
         )
-    merging = group_conflict(recipe.steps)
+    merging = group_conflict(recipe.steps, recipe.recalibrates)
     if merging is not None:
         step, other = merging
         raise RecipeError(
             f"{step.label}, layer {i}: merges groups of experts read group by group, which {other.label} cannot "
-            f"follow in the same recipe, but {how}; run {other.spec.name} in a recipe of its own, or set "
-            "expert_chunk: off"
+            f"follow in the same recipe, but {how}; set calibration.recalibrate: auto (a new segment there), run "
+            f"{other.spec.name} in a recipe of its own, or set expert_chunk: off"
         )
     if follow.required(recipe.steps, recipe.recalibrates):
         raise RecipeError(
