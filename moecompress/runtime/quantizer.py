@@ -119,7 +119,7 @@ class CompressedExperts(nn.Module):
         forward, that one at decode sizes, ``T·k ≤ E``)."""
         if not torch.compiler.is_compiling():
             fwd, static = self.prepared(x.device), self._static
-            if static is not None and x.device.type == "cuda" and ids.numel() <= static.gate.shape[0]:
+            if static is not None and x.device.type == "cuda" and ids.numel() <= static.num_experts:
                 return static(x, ids, weights)  # CUDA decode without a kernel: no host sync, graph-capturable
             return fwd(x, ids, weights)
         if self.__dict__.get("_prepared") is None:
