@@ -17,6 +17,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,6 +288,56 @@ def test_torchrun_launch_is_byte_identical(model):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _hashes(model / "tr-two") == _hashes(model / "tr-one")
+
+
+def _two_nodes(recipe, *extra, timeout: int = 300, die: Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Two ``torchrun`` launches of one process each, ``--nnodes 2`` with the ``c10d`` rendezvous on loopback:
+    two hosts, as ``docs/distributed.md`` launches them (both here, so ``LOCAL_RANK`` is 0 on each); ``die``: a
+    script (:data:`DIE`) the second node runs instead of the CLI."""
+    port = _port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+               "--rdzv_id", f"moecompress-test-{port}",
+               *([str(die)] if die is not None and node == 1 else ["-m", "moecompress.cli"]),
+               "apply", str(recipe), "--quiet", *extra]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return outs
+
+
+@pytest.mark.slow
+def test_two_nodes_with_the_c10d_rendezvous_are_byte_identical(model):
+    """``--nnodes 2`` on loopback (two launches standing in for two hosts): calibration data-parallel and the
+    layer loop sharded by experts over the two nodes, the bytes of one process."""
+    one, two = _recipe(model, "nn", [{"rtn": {"bits": 4, "group_size": 16}}])
+    with _one_thread():
+        mc.apply(str(one), progress=False)
+    done = _two_nodes(two)
+    assert [r.returncode for r in done] == [0, 0], [r.stderr[-3000:] for r in done]
+    assert _hashes(model / "nn-two") == _hashes(model / "nn-one")
+
+
+@pytest.mark.slow
+def test_a_killed_node_fails_cleanly_and_resume_gives_the_same_bytes(model):
+    """A rank dies on the second node during calibration: both launches fail, nothing is written, and
+    ``--resume`` on the two nodes gives one process's bytes."""
+    one, two = _recipe(model, "kn", [{"rtn": {"bits": 4, "group_size": 16}}])
+    with _one_thread():
+        mc.apply(str(one), progress=False)
+    script = model / "die.py"
+    script.write_text(DIE)
+    first = _two_nodes(two, die=script)
+    assert all(r.returncode != 0 for r in first), [r.stderr[-2000:] for r in first]
+    assert not (model / "kn-two").exists()
+    again = _two_nodes(two, "--resume")
+    assert [r.returncode for r in again] == [0, 0], [r.stderr[-3000:] for r in again]
+    assert _hashes(model / "kn-two") == _hashes(model / "kn-one")
 
 
 @pytest.mark.slow
