@@ -144,3 +144,19 @@ def test_compiling_an_unprepared_model_names_the_fix(outputs):
         assert torch.compile(block, fullgraph=True)(x, ids, w).shape == x.shape
     with pytest.raises(ValueError, match="static='yes'"):
         prepare(model, static="yes")
+
+
+def test_a_routing_policy_applies_under_compile(outputs):
+    """``capacity_drop`` (forward hooks that rewrite the routing) is traced into the compiled graph."""
+    torch._dynamo.reset()
+    path = _output(outputs, FAST)
+    model = mc.load(path, device=DEV, routing={"capacity_drop": {"gamma": 0.3}})
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2)).to(
+        DEV
+    )
+    with torch.no_grad():
+        off = mc.load(path, device=DEV, routing="off")(ids).logits
+        want = model(ids).logits
+        got = torch.compile(model.forward, fullgraph=True)(input_ids=ids).logits
+    assert rel(want, off) > 1e-2, "the policy changes the logits"
+    assert rel(got, want) <= tolerance(want, model)
