@@ -68,3 +68,33 @@ def test_static_compiles_fullgraph(name):
         x = torch.randn(t, H, generator=_gen(20 + t))
         ids, w = _routing(t, 2, E, seed=21 + t)
         assert rel(fn(x, ids, w), static(x, ids, w)) <= TOL
+
+
+def _on_meta(static):
+    """``static`` with every tensor on the meta device: a host read (``.item()``, ``.tolist()``,
+    ``int(tensor)``, a data-dependent shape) of anything it computes then raises."""
+    import dataclasses
+
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return v.to("meta")
+        if isinstance(v, dict):
+            return {k: meta(t) for k, t in v.items()}
+        if dataclasses.is_dataclass(v) and not isinstance(v, type) and type(v).__module__.endswith("static"):
+            return dataclasses.replace(v, **{f.name: meta(getattr(v, f.name)) for f in dataclasses.fields(v)})
+        return v
+
+    out = meta(static)
+    if static.bank.rotation is not None:
+        out.bank = dataclasses.replace(static.bank, rotation=static.bank.rotation.to("meta"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(BANKS))
+def test_static_never_reads_the_device(name):
+    """No host sync: the whole forward runs on meta tensors, at decode sizes and above."""
+    static = _on_meta(prepare_static(BANKS[name], torch.tensor([0, 0, 1, 2, 3, 4, 5, 5])))
+    for t in (1, 9):
+        ids = torch.zeros(t, 2, dtype=torch.int64, device="meta")
+        out = static(torch.empty(t, H, device="meta"), ids, torch.empty(t, 2, device="meta"))
+        assert out.shape == (t, H) and out.device.type == "meta"
