@@ -13,7 +13,7 @@ from moecompress.ir import ExpertBank
 from moecompress.layouts.dense import Dense
 from moecompress.passes import merge_experts as me
 from moecompress.passes import namex as nx
-from moecompress.passes.expert_merging import fit_groups, gather_summaries, merge_units, run_unit
+from moecompress.passes.merge_units import fit_groups, gather_summaries, merge_units, run_unit
 
 PROJ = ("gate", "up", "down")
 CONFIGS = [

@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -62,30 +60,22 @@ from pydantic import Field, model_validator
 
 from moecompress.engine.spec import LayerStats, PassConfig
 from moecompress.errors import PassError
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import MoELayer
 from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.dense import Dense
 from moecompress.methods.merging import (
-    Params,
-    align_to,
     average_linkage,
-    expert_params,
     ward_linkage,
 )
-from moecompress.methods.metrics import relative_error
 from moecompress.methods.mixture import AUTO_TOKENS, choose_count
 from moecompress.passes.merge_budget import MergeBudget, budget_needs
+from moecompress.passes.merge_plan import PROJ, MergePlan
 from moecompress.reference import (
     expert_forward,
-    experts_forward,
-    moe_forward,
-    route,
     router_logits,
-    shared_forward,
 )
 
 NEEDS = {"expert_counts", "io_sample"}
-PROJ = ("gate", "up", "down")
 
 
 class MergeOptions(PassConfig):
@@ -275,173 +265,6 @@ def merge_workspace(layer: MoELayer, cfg: MergeOptions, sets: int = 1, in_flight
     return max(feats, expert * (sets * m + 2 * mean + in_flight))
 
 
-@dataclass
-class MergePlan:
-    """One layer's groups and the tokens the merge is fitted and judged on."""
-
-    layer: MoELayer
-    cfg: MergeOptions
-    groups: list[list[int]]
-    bases: list[int]
-    counts: torch.Tensor
-    x_fit: torch.Tensor
-    x_held: torch.Tensor
-    moved: int = 0
-    auto: dict | None = None
-    _y_held: torch.Tensor | None = None
-    _routes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    index: dict[int, int] | None = None
-    """a :meth:`unit`'s: expert id -> its row in ``layer.experts`` (``None``: the id itself)"""
-
-    def _at(self, e: int) -> int:
-        return e if self.index is None else self.index[e]
-
-    def unit(self, lo: int, hi: int, bank: ExpertBank) -> MergePlan:
-        """Groups ``[lo, hi)`` of this plan (made on the layer's shell, :func:`plan_merge` with summaries)
-        with ``bank`` holding their members, in ascending id order (read expert by expert): members,
-        weights, tokens and merged bank (:meth:`bank_of`) are those of the whole layer's plan, bit for bit;
-        the routing is the whole layer's."""
-        for part in ("fit", "held"):  # the whole router's, before the plan forgets the layer
-            if part not in self._routes:
-                self._routes[part] = route(self.layer, self.x_fit if part == "fit" else self.x_held)
-        mem = sorted(m for g in self.groups[lo:hi] for m in g)
-        if bank.num_experts != len(mem):
-            raise PassError(f"groups {lo}-{hi - 1} have {len(mem)} members, the bank holds {bank.num_experts}")
-        rows = torch.tensor(mem, dtype=torch.long)
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, rows.to(t.device))
-
-        spec = dataclasses.replace(self.layer.router, num_experts=len(mem), top_k=min(self.layer.router.top_k, len(mem)),
-                                   n_group=None, topk_group=None, group_score=None)  # fmt: skip
-        sub = self.layer.replace(
-            router=spec, router_weight=pick(self.layer.router_weight), router_bias=pick(self.layer.router_bias),
-            score_bias=pick(self.layer.score_bias), experts=bank, routing=None, routing_similarity=None,
-            protected=frozenset(i for i, m in enumerate(mem) if m in self.layer.protected),
-        )  # fmt: skip
-        return dataclasses.replace(
-            self, layer=sub, groups=self.groups[lo:hi], bases=self.bases[lo:hi], moved=0, _y_held=None,
-            index={m: i for i, m in enumerate(mem)},
-        )  # fmt: skip
-
-    def members(self, g: int) -> list[Params]:
-        """Float32 parameters of group ``g``: the base first, then the others (aligned if ``align``)."""
-        bank = self.layer.experts
-        b = self.bases[g]
-        base = expert_params(bank, self._at(b))
-        out = [base]
-        for e in self.groups[g]:
-            if e != b:
-                p = expert_params(bank, self._at(e))
-                if self.cfg.align:
-                    p, n = align_to(base, p)
-                    self.moved += n
-                out.append(p)
-        return out
-
-    def weights(self, g: int) -> torch.Tensor:
-        """Usage frequencies of group ``g``'s members (base first), summing to 1 (uniform if unused)."""
-        order = [self.bases[g], *(e for e in self.groups[g] if e != self.bases[g])]
-        c = self.counts[order].double()
-        return c / c.sum() if float(c.sum()) > 0 else torch.full_like(c, 1 / len(c))
-
-    def group_data(self, g: int, part: Literal["fit", "held"]) -> tuple[torch.Tensor, ...]:
-        """Tokens routed to any member of group ``g``: ``(x [n, H], s [n], target [n, H])`` with ``s`` the
-        summed routing weight of the members and ``target = Σ_member w · E_member(x)`` (the group's share
-        of the original block output); the merged expert's share is ``s · E_merged(x)``."""
-        x = self.x_fit if part == "fit" else self.x_held
-        if part not in self._routes:
-            self._routes[part] = route(self.layer, x)
-        ids, w = self._routes[part]
-        mem = torch.tensor(self.groups[g])
-        mask = torch.isin(ids, mem)
-        tok = mask.any(1).nonzero().squeeze(1)
-        pos = torch.full((x.shape[0],), -1, dtype=torch.long)
-        pos[tok] = torch.arange(len(tok))
-        target = torch.zeros(len(tok), x.shape[1])
-        for e in self.groups[g]:
-            t, k = torch.where(ids == e)
-            if len(t):
-                y = expert_forward(self.layer.experts, self._at(e), x[t]).float()
-                target.index_add_(0, pos[t], y * w[t, k, None].float())
-        return x[tok].float(), (w * mask).sum(1)[tok].float(), target
-
-    def held_error(self, new: MoELayer) -> float:
-        """Relative error ``‖MoE_new(x) − MoE(x)‖ / ‖MoE(x)‖`` of a layer on the held-back tokens."""
-        if self.index is not None:
-            raise PassError("a unit of groups has no layer error of its own: sum held_parts over the units")
-        if self._y_held is None:
-            self._y_held = moe_forward(self.layer, self.x_held)
-        return relative_error(self._y_held, moe_forward(new, self.x_held))
-
-    def bank_of(self, merged: dict[int, Params]) -> ExpertBank:
-        """One physical expert per group, in group order: ``merged[g]`` for merged groups, the original
-        tensors (bit-identical) for singletons."""
-        bank, groups = self.layer.experts, self.groups
-
-        def stack(key: str, orig: torch.Tensor) -> torch.Tensor:
-            """``orig`` ``[E, ...]`` per group: the merged value, or the singleton's own (bit-identical)."""
-            return torch.stack([merged[g][key].to(orig.dtype) if g in merged else orig[self._at(m[0])]
-                                for g, m in enumerate(groups)])  # fmt: skip
-
-        lays = {name: Dense(stack(name, getattr(bank, name).dense())) for name in PROJ}
-        biases = {k: stack(f"bias.{k}", b) for k, b in bank.biases.items()}
-        return dataclasses.replace(bank, **lays, biases=biases, widths=None)
-
-    def build(self, merged: dict[int, Params]) -> MoELayer:
-        """The layer with one physical expert per group: ``merged[g]`` for merged groups, the original
-        tensors (bit-identical) for singletons; router per ``cfg.router``."""
-        layer, groups = self.layer, self.groups
-        e = layer.router.num_experts
-        if len(groups) == e:
-            return layer
-        new_bank = self.bank_of(merged)
-        if self.cfg.router == "remap":
-            emap = torch.empty(e, dtype=torch.int64)
-            for g, m in enumerate(groups):
-                emap[m] = g
-            return layer.replace(experts=new_bank, expert_map=emap)
-
-        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if self.cfg.collapse_row == "base":
-                return torch.stack([t[b] for b in self.bases])
-            return torch.stack([t[m[0]] if len(m) == 1 else t[m].float().mean(0).to(t.dtype) for m in groups])
-
-        new_id = {m[0]: g for g, m in enumerate(groups) if len(m) == 1}
-        return layer.replace(
-            router=dataclasses.replace(layer.router, num_experts=len(groups)),
-            router_weight=rows(layer.router_weight),
-            router_bias=rows(layer.router_bias),
-            score_bias=rows(layer.score_bias),
-            experts=new_bank,
-            protected=frozenset(new_id[p] for p in layer.protected),
-        )
-
-    def info(self, new: MoELayer) -> dict:
-        """The report entry every merging pass shares."""
-        layer = self.layer
-        out = {
-            "groups": self.groups,
-            "bases": self.bases,
-            "router": self.cfg.router,
-            "num_experts_before": layer.router.num_experts,
-            "num_experts_after": new.experts.num_experts,
-            "routed_params_before": layer.experts.num_params(),
-            "routed_params_after": new.experts.num_params(),
-            "bytes_before": layer.nbytes(),
-            "bytes_after": new.nbytes(),
-            "fit_tokens": int(self.x_fit.shape[0]),
-            "held_tokens": int(self.x_held.shape[0]),
-            "neurons_moved": self.moved,
-            "rel_error_held": self.held_error(new) if new is not layer else 0.0,
-        }
-        if self.auto is not None:
-            out["choose_groups"] = self.auto
-        if self.cfg.router == "collapse" and new is not layer:
-            out["kept_experts"] = self.bases  # protection.RENUMBER_KEY: new id g was old id bases[g]
-        return out
 
 
 def expert_summaries(layer: MoELayer, x_fit: torch.Tensor, cfg: MergeOptions) -> dict[str, torch.Tensor]:
@@ -525,188 +348,6 @@ def plan_merge(
     groups.sort(key=lambda g: g[0])
     bases = [max(g, key=lambda m: (float(counts[m]), -m)) for g in groups]
     return MergePlan(layer, cfg, groups, bases, counts, x_fit, x_held, auto=auto)
-
-
-# -- by chunks of experts (Chunking("group")) -------------------------------------------------------------
-def refuse_chunks(cfg: MergeOptions) -> str | None:
-    """A merging configuration that cannot run on a layer held by chunks of experts, with the fix."""
-    if cfg.similarity == "weight":
-        return ("groups by every expert's flattened weights at once (similarity: weight); use similarity: "
-                "output_tokens, output or router")  # fmt: skip
-    if isinstance(cfg.target_experts, MergeBudget):
-        return ("spends a budget over layers from expert_out_gram, which calibration collects only on whole "
-                "layers; use a count per layer (ratio, target_experts: N or {layer: groups})")  # fmt: skip
-    return None
-
-
-def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: dict | None) -> dict:
-    """The first sweep's fold: a chunk's :func:`expert_summaries`, in chunk order."""
-    part = expert_summaries(sub, fit_held(stats)[0], cfg)
-    acc = acc if acc is not None else {k: [] for k in part}
-    for k, v in part.items():
-        acc[k].append(v)
-    return acc
-
-
-def group_workspace(layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0) -> int:
-    """The dry run's workspace of a merging step by chunks of ``n`` experts (``Chunking.workspace``): the
-    summaries gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit
-    tokens' outputs ``[E, 64, H]``), held to the end, and one unit of ``n`` members as
-    :func:`merge_workspace` counts a group (``sets`` copies of its at most ``⌈n/2⌉`` merged experts, the
-    members aligned and their differences, ``in_flight`` more). A group of more than ``n`` members is read
-    alone: it needs more (the step's report lists the groups)."""
-    bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
-    expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
-                  + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
-    sums = 4 * e * h * ((AUTO_TOKENS if cfg.similarity == "output_tokens" or cfg.target_experts == "auto" else 0)
-                        + (1 if cfg.similarity == "output" else 0))  # fmt: skip
-    return sums + expert * (sets * -(-n // 2) + 2 * n + in_flight)
-
-
-@dataclass
-class GroupDecision:
-    """A merging step's decision on a layer held by chunks: the groups (``plan``, made on the shell) and
-    the layer after the step (``shell``: router, expert map, experts on ``meta``); ``info`` its part of the
-    step's info; ``shared``: the shared expert's output on the held-back tokens (``rel_error_held``)."""
-
-    plan: MergePlan
-    shell: MoELayer
-    info: dict
-    shared: torch.Tensor | None
-    variants: Callable | None = None
-    """``variants(unit, merged, cfg, first) -> ({name: merged}, report)``: candidates besides the merge
-    (``namex``'s refinements), chosen between on the whole layer's held-back error: then :attr:`sweeps` is 2"""
-    choice: str | None = None
-    refine_info: dict | None = None
-    acc: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def sweeps(self) -> int:
-        """The second sweep's passes over the units: one more, unwritten, when a whole-layer choice is due."""
-        return 2 if self.variants is not None and any(len(g) > 1 for g in self.plan.groups) else 1
-
-    def fold(self, info: dict) -> None:
-        """A unit's shares of the held-back outputs (``info["_held"]``) added to the layer's, and dropped."""
-        for k, t in info.pop("_held", {}).items():
-            self.acc[k] = self.acc[k] + t if k in self.acc else t
-
-    def _error(self, after: str) -> float:
-        before, y = self.acc["before"], self.acc[after]
-        if self.shared is not None:
-            before, y = before + self.shared, y + self.shared
-        return relative_error(before, y)
-
-    def choose(self, infos: list[dict]) -> None:
-        """After the unwritten pass: the candidate the whole layer keeps (``namex``: its complex-momentum
-        refinement when it lowers the held-back error, else the merge), as :func:`namex._refine_all`."""
-        for info in infos:
-            self.fold(info)
-        errs = {k.split(":", 1)[1]: self._error(k) for k in self.acc if k.startswith("after:")}
-        keep = errs["complex"] < errs["unrefined"]
-        losses: dict[str, dict] = {}
-        for info in infos:
-            for name, ls in info.get("refine_fit_loss", {}).items():
-                losses.setdefault(name, {}).update(ls)
-        self.refine_info = {
-            "rel_error_unrefined": errs["unrefined"], "rel_error_refined": errs["complex"],
-            "rel_error_refined_real": errs.get("real", errs["complex"]), "refined": keep,
-            "refine_fit_loss": losses,
-        }  # fmt: skip
-        self.choice = "complex" if keep else "unrefined"
-        self.acc = {}
-
-    def units(self, size: int) -> list[tuple[int, int]]:
-        """Consecutive groups ``[lo, hi)`` of at most ``size`` members together (a larger group alone)."""
-        out, lo, n = [], 0, 0
-        for g, members in enumerate(self.plan.groups):
-            if g > lo and n + len(members) > size:
-                out.append((lo, g))
-                lo, n = g, 0
-            n += len(members)
-        if lo < len(self.plan.groups):
-            out.append((lo, len(self.plan.groups)))
-        return out
-
-    def members(self, lo: int, hi: int) -> list[int]:
-        """The input experts of groups ``[lo, hi)``, ascending (the order :meth:`MergePlan.unit` reads)."""
-        return sorted(m for g in self.plan.groups[lo:hi] for m in g)
-
-
-def fit_groups(acc: dict | None, shell: MoELayer, stats: LayerStats, cfg: MergeOptions) -> GroupDecision:
-    """The groups from the summaries gathered over the chunks (exactly the whole layer's: the same
-    features, rows in expert order), and the layer the step makes (its experts on ``meta``)."""
-    sums = {k: torch.cat(v) for k, v in (acc or {}).items()}
-    plan = plan_merge(shell, stats, cfg, sums)
-    after = plan.build({})  # shapes: every group's tensors taken from the meta bank
-    info = {
-        "groups": plan.groups, "bases": plan.bases, "router": cfg.router,
-        "num_experts_before": shell.router.num_experts, "num_experts_after": after.experts.num_experts,
-        "routed_params_before": shell.experts.num_params(), "routed_params_after": after.experts.num_params(),
-        "bytes_before": shell.nbytes(), "bytes_after": after.nbytes(), "fit_tokens": int(plan.x_fit.shape[0]),
-        "held_tokens": int(plan.x_held.shape[0]),
-    }  # fmt: skip
-    if plan.auto is not None:
-        info["choose_groups"] = plan.auto
-    if cfg.router == "collapse" and after is not shell:
-        info["kept_experts"] = plan.bases
-    shared = shared_forward(shell, plan.x_held) if shell.shared is not None else None
-    for part in ("fit", "held"):  # the whole router's routing, once per layer
-        plan._routes[part] = route(shell, plan.x_fit if part == "fit" else plan.x_held)
-    return GroupDecision(plan, after, info, shared)
-
-
-def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_groups, cfg: MergeOptions):
-    """Groups ``[lo, hi)`` merged from ``bank`` (their members, :meth:`GroupDecision.members`):
-    ``(their physical experts, the unit's info)``; the info carries the unit's shares of the routed outputs
-    on the held-back tokens before and after (``_held``, folded by :meth:`GroupDecision.fold`). With
-    candidates (:attr:`GroupDecision.variants`) and no choice yet: ``(None, info)`` with every candidate's
-    share, for :meth:`GroupDecision.choose`."""
-    unit = dec.plan.unit(lo, hi, bank)
-    merged, extra = merge_groups(unit, cfg, lo)
-    cands, report = {"unrefined": merged}, None
-    if dec.sweeps == 2:
-        more, report = dec.variants(unit, merged, cfg, lo)
-        cands.update(more)
-    x = unit.x_held
-    ids, w = unit._routes["held"]
-    lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)
-    lut[torch.tensor(dec.members(lo, hi))] = torch.arange(bank.num_experts)
-    held = {"before": experts_forward(bank, x, lut[ids], w)}
-    a_ids, a_w = route(dec.shell, x)
-    if dec.shell.expert_map is not None:
-        a_ids = dec.shell.expert_map[a_ids]
-    local = torch.where((a_ids >= lo) & (a_ids < hi), a_ids - lo, torch.full_like(a_ids, hi - lo))
-    info = {**extra, "neurons_moved": unit.moved}
-    if dec.sweeps == 2 and dec.choice is None:
-        for name, m in cands.items():
-            held[f"after:{name}"] = experts_forward(unit.bank_of(m), x, local, a_w)
-        return None, {**info, "_held": held, "refine_fit_loss": report or {}}
-    new = unit.bank_of(cands[dec.choice or "unrefined"])
-    held["after"] = experts_forward(new, x, local, a_w)
-    return new, {**info, "_held": held}
-
-
-def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDecision) -> dict:
-    """The layer's info from its units' (:func:`run_unit`), as a whole-layer run reports it."""
-    for info in infos:
-        dec.fold(info)
-    changed = dec.shell is not dec.plan.layer
-    out = {**dec.info, "neurons_moved": sum(i["neurons_moved"] for i in infos),
-           "rel_error_held": dec._error("after") if changed else 0.0}  # fmt: skip
-    for info in infos:
-        for k, v in info.items():
-            if k == "neurons_moved":
-                continue
-            if isinstance(v, list):
-                out.setdefault(k, []).extend(v)
-            elif isinstance(v, dict):
-                out.setdefault(k, {}).update(v)
-            else:
-                out[k] = v
-    if dec.refine_info is not None:
-        out.update(dec.refine_info)
-    dec.acc = {}
-    return out
 
 
 def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:

@@ -38,19 +38,21 @@ from moecompress.passes.expert_merging import (
     MergePlan,
     check_mergeable,
     chosen_later,
-    fit_groups,
-    gather_summaries,
-    group_workspace,
     merge_needs,
-    merge_units,
     merge_workspace,
     merged_shape,
     plan_merge,
-    refuse_chunks,
-    run_unit,
     summarize_merging,
 )
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
+from moecompress.passes.merge_units import (
+    fit_groups,
+    gather_summaries,
+    group_workspace,
+    merge_units,
+    refuse_chunks,
+    run_unit,
+)
 
 
 class MergeExpertsConfig(MergeOptions):

@@ -66,19 +66,21 @@ from moecompress.passes.expert_merging import (
     MergePlan,
     check_mergeable,
     chosen_later,
-    fit_groups,
-    gather_summaries,
-    group_workspace,
     merge_needs,
-    merge_units,
     merge_workspace,
     merged_shape,
     plan_merge,
-    refuse_chunks,
-    run_unit,
     summarize_merging,
 )
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
+from moecompress.passes.merge_units import (
+    fit_groups,
+    gather_summaries,
+    group_workspace,
+    merge_units,
+    refuse_chunks,
+    run_unit,
+)
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 

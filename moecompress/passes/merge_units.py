@@ -1,0 +1,210 @@
+"""Merging by units of groups, on a layer held by chunks of experts (``Chunking("group")``), for ``namex``
+and ``merge_experts``: a first sweep gathers each expert's summary chunk by chunk
+(:func:`gather_summaries`), the groups are decided once per layer on the shell (:func:`fit_groups`: the
+whole layer's groups, :class:`GroupDecision`), then each unit of consecutive groups is read and merged
+(:func:`run_unit`) and the layer's info made from the units' (:func:`merge_units`). The engine's side is
+:mod:`moecompress.engine.layer_run` (``_grouped_layer``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moecompress.engine.spec import LayerStats
+from moecompress.ir import ExpertBank, MoELayer
+from moecompress.methods.metrics import relative_error
+from moecompress.methods.mixture import AUTO_TOKENS
+from moecompress.passes.expert_merging import (
+    PROJ,
+    MergeOptions,
+    MergePlan,
+    expert_summaries,
+    fit_held,
+    plan_merge,
+)
+from moecompress.passes.merge_budget import MergeBudget
+from moecompress.reference import experts_forward, route, shared_forward
+
+
+def refuse_chunks(cfg: MergeOptions) -> str | None:
+    """A merging configuration that cannot run on a layer held by chunks of experts, with the fix."""
+    if cfg.similarity == "weight":
+        return ("groups by every expert's flattened weights at once (similarity: weight); use similarity: "
+                "output_tokens, output or router")  # fmt: skip
+    if isinstance(cfg.target_experts, MergeBudget):
+        return ("spends a budget over layers from expert_out_gram, which calibration collects only on whole "
+                "layers; use a count per layer (ratio, target_experts: N or {layer: groups})")  # fmt: skip
+    return None
+
+
+def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: dict | None) -> dict:
+    """The first sweep's fold: a chunk's :func:`expert_summaries`, in chunk order."""
+    part = expert_summaries(sub, fit_held(stats)[0], cfg)
+    acc = acc if acc is not None else {k: [] for k in part}
+    for k, v in part.items():
+        acc[k].append(v)
+    return acc
+
+
+def group_workspace(layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0) -> int:
+    """The dry run's workspace of a merging step by chunks of ``n`` experts (``Chunking.workspace``): the
+    summaries gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit
+    tokens' outputs ``[E, 64, H]``), held to the end, and one unit of ``n`` members as
+    :func:`merge_workspace` counts a group (``sets`` copies of its at most ``⌈n/2⌉`` merged experts, the
+    members aligned and their differences, ``in_flight`` more). A group of more than ``n`` members is read
+    alone: it needs more (the step's report lists the groups)."""
+    bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
+    expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
+                  + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
+    sums = 4 * e * h * ((AUTO_TOKENS if cfg.similarity == "output_tokens" or cfg.target_experts == "auto" else 0)
+                        + (1 if cfg.similarity == "output" else 0))  # fmt: skip
+    return sums + expert * (sets * -(-n // 2) + 2 * n + in_flight)
+
+
+@dataclass
+class GroupDecision:
+    """A merging step's decision on a layer held by chunks: the groups (``plan``, made on the shell) and
+    the layer after the step (``shell``: router, expert map, experts on ``meta``); ``info`` its part of the
+    step's info; ``shared``: the shared expert's output on the held-back tokens (``rel_error_held``)."""
+
+    plan: MergePlan
+    shell: MoELayer
+    info: dict
+    shared: torch.Tensor | None
+    variants: Callable | None = None
+    """``variants(unit, merged, cfg, first) -> ({name: merged}, report)``: candidates besides the merge
+    (``namex``'s refinements), chosen between on the whole layer's held-back error: then :attr:`sweeps` is 2"""
+    choice: str | None = None
+    refine_info: dict | None = None
+    acc: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sweeps(self) -> int:
+        """The second sweep's passes over the units: one more, unwritten, when a whole-layer choice is due."""
+        return 2 if self.variants is not None and any(len(g) > 1 for g in self.plan.groups) else 1
+
+    def fold(self, info: dict) -> None:
+        """A unit's shares of the held-back outputs (``info["_held"]``) added to the layer's, and dropped."""
+        for k, t in info.pop("_held", {}).items():
+            self.acc[k] = self.acc[k] + t if k in self.acc else t
+
+    def _error(self, after: str) -> float:
+        before, y = self.acc["before"], self.acc[after]
+        if self.shared is not None:
+            before, y = before + self.shared, y + self.shared
+        return relative_error(before, y)
+
+    def choose(self, infos: list[dict]) -> None:
+        """After the unwritten pass: the candidate the whole layer keeps (``namex``: its complex-momentum
+        refinement when it lowers the held-back error, else the merge), as :func:`namex._refine_all`."""
+        for info in infos:
+            self.fold(info)
+        errs = {k.split(":", 1)[1]: self._error(k) for k in self.acc if k.startswith("after:")}
+        keep = errs["complex"] < errs["unrefined"]
+        losses: dict[str, dict] = {}
+        for info in infos:
+            for name, ls in info.get("refine_fit_loss", {}).items():
+                losses.setdefault(name, {}).update(ls)
+        self.refine_info = {
+            "rel_error_unrefined": errs["unrefined"], "rel_error_refined": errs["complex"],
+            "rel_error_refined_real": errs.get("real", errs["complex"]), "refined": keep,
+            "refine_fit_loss": losses,
+        }  # fmt: skip
+        self.choice = "complex" if keep else "unrefined"
+        self.acc = {}
+
+    def units(self, size: int) -> list[tuple[int, int]]:
+        """Consecutive groups ``[lo, hi)`` of at most ``size`` members together (a larger group alone)."""
+        out, lo, n = [], 0, 0
+        for g, members in enumerate(self.plan.groups):
+            if g > lo and n + len(members) > size:
+                out.append((lo, g))
+                lo, n = g, 0
+            n += len(members)
+        if lo < len(self.plan.groups):
+            out.append((lo, len(self.plan.groups)))
+        return out
+
+    def members(self, lo: int, hi: int) -> list[int]:
+        """The input experts of groups ``[lo, hi)``, ascending (the order :meth:`MergePlan.unit` reads)."""
+        return sorted(m for g in self.plan.groups[lo:hi] for m in g)
+
+
+def fit_groups(acc: dict | None, shell: MoELayer, stats: LayerStats, cfg: MergeOptions) -> GroupDecision:
+    """The groups from the summaries gathered over the chunks (exactly the whole layer's: the same
+    features, rows in expert order), and the layer the step makes (its experts on ``meta``)."""
+    sums = {k: torch.cat(v) for k, v in (acc or {}).items()}
+    plan = plan_merge(shell, stats, cfg, sums)
+    after = plan.build({})  # shapes: every group's tensors taken from the meta bank
+    info = {
+        "groups": plan.groups, "bases": plan.bases, "router": cfg.router,
+        "num_experts_before": shell.router.num_experts, "num_experts_after": after.experts.num_experts,
+        "routed_params_before": shell.experts.num_params(), "routed_params_after": after.experts.num_params(),
+        "bytes_before": shell.nbytes(), "bytes_after": after.nbytes(), "fit_tokens": int(plan.x_fit.shape[0]),
+        "held_tokens": int(plan.x_held.shape[0]),
+    }  # fmt: skip
+    if plan.auto is not None:
+        info["choose_groups"] = plan.auto
+    if cfg.router == "collapse" and after is not shell:
+        info["kept_experts"] = plan.bases
+    shared = shared_forward(shell, plan.x_held) if shell.shared is not None else None
+    for part in ("fit", "held"):  # the whole router's routing, once per layer
+        plan._routes[part] = route(shell, plan.x_fit if part == "fit" else plan.x_held)
+    return GroupDecision(plan, after, info, shared)
+
+
+def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_groups, cfg: MergeOptions):
+    """Groups ``[lo, hi)`` merged from ``bank`` (their members, :meth:`GroupDecision.members`):
+    ``(their physical experts, the unit's info)``; the info carries the unit's shares of the routed outputs
+    on the held-back tokens before and after (``_held``, folded by :meth:`GroupDecision.fold`). With
+    candidates (:attr:`GroupDecision.variants`) and no choice yet: ``(None, info)`` with every candidate's
+    share, for :meth:`GroupDecision.choose`."""
+    unit = dec.plan.unit(lo, hi, bank)
+    merged, extra = merge_groups(unit, cfg, lo)
+    cands, report = {"unrefined": merged}, None
+    if dec.sweeps == 2:
+        more, report = dec.variants(unit, merged, cfg, lo)
+        cands.update(more)
+    x = unit.x_held
+    ids, w = unit._routes["held"]
+    lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)
+    lut[torch.tensor(dec.members(lo, hi))] = torch.arange(bank.num_experts)
+    held = {"before": experts_forward(bank, x, lut[ids], w)}
+    a_ids, a_w = route(dec.shell, x)
+    if dec.shell.expert_map is not None:
+        a_ids = dec.shell.expert_map[a_ids]
+    local = torch.where((a_ids >= lo) & (a_ids < hi), a_ids - lo, torch.full_like(a_ids, hi - lo))
+    info = {**extra, "neurons_moved": unit.moved}
+    if dec.sweeps == 2 and dec.choice is None:
+        for name, m in cands.items():
+            held[f"after:{name}"] = experts_forward(unit.bank_of(m), x, local, a_w)
+        return None, {**info, "_held": held, "refine_fit_loss": report or {}}
+    new = unit.bank_of(cands[dec.choice or "unrefined"])
+    held["after"] = experts_forward(new, x, local, a_w)
+    return new, {**info, "_held": held}
+
+
+def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDecision) -> dict:
+    """The layer's info from its units' (:func:`run_unit`), as a whole-layer run reports it."""
+    for info in infos:
+        dec.fold(info)
+    changed = dec.shell is not dec.plan.layer
+    out = {**dec.info, "neurons_moved": sum(i["neurons_moved"] for i in infos),
+           "rel_error_held": dec._error("after") if changed else 0.0}  # fmt: skip
+    for info in infos:
+        for k, v in info.items():
+            if k == "neurons_moved":
+                continue
+            if isinstance(v, list):
+                out.setdefault(k, []).extend(v)
+            elif isinstance(v, dict):
+                out.setdefault(k, {}).update(v)
+            else:
+                out[k] = v
+    if dec.refine_info is not None:
+        out.update(dec.refine_info)
+    dec.acc = {}
+    return out
