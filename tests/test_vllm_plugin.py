@@ -47,6 +47,10 @@ LAYOUTS = {
     "tdmoe": [{"tdmoe": {"ratio": 0.4}}],
     "svd-experts": [{"svd_experts": {"ratio": 0.4}}],
     "namex-remap": [{"namex": {"ratio": 0.5, "router": "remap", "refine_steps": 0}}],
+    "heapr-gptq": [  # a chain: ragged widths, then GPTQ on them (rtn layout, ragged)
+        {"heapr": {"ratio": 0.4, "scope": "global"}},
+        {"gptq": {"bits": 4, "group_size": 16}},
+    ],
     "rtn4-protected": [
         {
             "protect_super_experts": {
