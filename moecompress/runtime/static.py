@@ -57,7 +57,7 @@ class DenseOp:
 
 @dataclasses.dataclass
 class TuckerOp:
-    """``W_e = U_out C_e U_inᵀ``: ``u_in [in, r3]``, ``core [E, r2, r3]`` (expert e's), ``u_out [out, r2]``."""
+    """``W_e = U_out C_e U_inᵀ``: ``u_in [in, r3]``, ``core [E, r2, r3]`` (per expert), ``u_out [out, r2]``."""
 
     u_in: torch.Tensor
     core: torch.Tensor
