@@ -163,7 +163,7 @@ def trace(chunk: int, root: Path, graph: dict[str, set[str]]) -> tuple[list, int
             key = (mod, frame.f_code.co_firstlineno)
             if key in entered:  # loops over layers and steps: each function counts at its first entry
                 return
-            if name == "apply" and mod == "moecompress.engine.executor" and not walk or carries(frame):
+            if (name == "apply" and mod == "moecompress.engine.executor" and not walk) or carries(frame):
                 entered.add(key)
                 if not configs:
                     for v in frame.f_locals.values():
