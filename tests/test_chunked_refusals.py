@@ -43,7 +43,7 @@ def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_p
 
 
 @pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25}}, {"merge_experts": {"ratio": 0.25}}])
-def test_merging_runs_by_chunks_but_not_with_another_changing_step(model, tmp_path, step):
+def test_merging_runs_by_chunks_but_not_with_another_changing_step_in_its_segment(model, tmp_path, step):
     name = next(iter(step))
     whole = _plan(model, tmp_path, [step], "off")["step_memory"][f"step 1 ({name})"]["bytes"]
     chunked = _plan(model, tmp_path, [{"protect_super_experts": {}}, step], 2)  # by units of groups
@@ -52,8 +52,11 @@ def test_merging_runs_by_chunks_but_not_with_another_changing_step(model, tmp_pa
     with pytest.raises(
         RecipeError, match=rf"step 1 \({name}\), layer \d+: merges groups .* step 2 \(rtn\) cannot follow.*expert_chunk: off"
     ) as err:
-        _plan(model, tmp_path, [step, {"rtn": {"bits": 4}}], 3)
-    assert "\n" not in str(err.value)
+        _plan(model, tmp_path, [step, {"rtn": {"bits": 4}}], 3, recalibrate="off")
+    assert "\n" not in str(err.value) and "recalibrate: auto" in str(err.value)
+    # recalibrate: auto (the default) cuts the recipe after the merge instead
+    plan = _plan(model, tmp_path, [step, {"rtn": {"bits": 4}}], 3)
+    assert plan["segments"] == [[f"step 1 ({name})"], ["step 2 (rtn)"]]
 
 
 def test_layer_ranking_without_plan_is_refused_with_the_fix(model, tmp_path):
