@@ -1,4 +1,5 @@
-"""Under ``torchrun``, the layer loop's per-expert work sharded across the ranks (``docs/distributed.md``).
+"""Under ``torchrun``, a layer's units on the ranks (``docs/distributed.md``): unit ``k`` is worked by rank
+``k mod N`` (:func:`moecompress.engine.units.unit_size` decides the units) and its parts travel to rank 0.
 
 Rank 0 runs the layer loop as one process does (:class:`~moecompress.engine.run.RecipeRun`): it alone
 reads the non-MoE tensors, writes, journals and renames. For an MoE layer held by chunks of experts
@@ -9,11 +10,11 @@ sends its chunks' parts to rank 0 (the wire below: safetensors and JSON), which
 consumes every chunk in chunk order exactly as it consumes its own, so the output is the one process's,
 byte for byte. When rank 0 is done it broadcasts a stop; the other ranks then return.
 
-Which layers: those the run holds by chunks anyway (``expert_chunk``), and, under ``N > 1`` ranks, every
-other MoE layer whose steps can all run by chunks (each step's ``PassSpec.chunking``), split into ``N``
-chunks of ``ceil(E / N)`` experts; a layer with a step that needs every expert at once (``chunking``
-``None``: ``tdmoe``, ``namex``, ``codequant``, ...) is run whole by rank 0 while the others wait for the
-next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
+Which layers (:func:`~moecompress.engine.units.unit_size`): those the run holds by chunks anyway
+(``expert_chunk``), and, under ``N > 1`` ranks, every other MoE layer whose steps can all run by chunks
+with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``N``
+units of ``ceil(E / N)`` experts; any other layer is one unit, run whole by rank 0 while the others wait
+for the next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
 complete before the first command) and compute the cross-layer plans themselves from it, as rank 0 does.
 A rank that dies makes the others' next send, receive or broadcast fail: :class:`~moecompress.errors.Interrupted`;
 an error a pass raises on another rank is sent to rank 0 and raised there with the same line.

@@ -1,5 +1,8 @@
-"""Which MoE layers a run holds by chunks of experts, how many experts at a time, and what a step needs
-then: the dry run's part of ``expert_chunk`` (``auto | off | N``).
+"""A layer's units (ranges of experts): the one place that reads the steps' per-expert rules
+(``PassSpec.chunking``) to decide them. The run asks :func:`unit_size` (one unit, the whole layer; or units
+of ``expert_chunk``'s size; or ``ceil(E / N)`` under ``N`` ranks); the dry run decides which MoE layers are
+held by chunks of experts, how many experts at a time, and what a step needs then (``expert_chunk: auto |
+off | N``):
 
 - ``N``: every layer with more than ``N`` routed experts, ``N`` at a time; ``off``: none;
 - ``auto``: the layers whose whole-layer estimate of some step (:func:`moecompress.engine.resources.step_peak`)
