@@ -1,4 +1,8 @@
-"""The work of one chunk of experts of an MoE layer held by chunks, apart from what is done with it.
+"""The work of one unit of an MoE layer (:mod:`moecompress.engine.layer_run`), apart from what is done with it.
+
+:func:`whole_parts` is the work of a layer that is one unit: read whole, every step with every rule it has,
+one :class:`StepPart` per step carrying its row and tensors (:class:`WholeStep`). The rest of this module
+is a unit of experts ``[a, b)`` of a layer held by chunks:
 
 :func:`prepare` is the layer's part every rank repeats (cheap and deterministic): the shell, the
 ``select`` steps on it, the output kinds, the routing of the held-back tokens. :func:`chunk_parts` is a
