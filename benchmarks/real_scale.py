@@ -303,11 +303,12 @@ def run_estimate(dry: dict) -> int:
 
 def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limit: str | None, samples: int,
                  seq_len: int, source: str, experts: int = 256, vocab: int | None = None,
-                 fill: bool = False, calibrate_only: bool = False) -> None:  # fmt: skip
+                 fill: bool = False, calibrate_only: bool = False, keep_cache: bool = False) -> None:  # fmt: skip
     """The layer loop on the sparse DeepSeek-V3 checkpoint (its weights read as zeros; ``fill``: random
     values written in, :func:`fill_checkpoint`) in a fresh process: peak RSS, wall time, bytes read and
     written; ``source: none`` needs no calibration. ``calibrate_only``: ``moecompress calibrate`` of the
-    recipe (a fresh statistics cache): its peak against the dry run's calibration estimate."""
+    recipe (a fresh statistics cache): its peak against the dry run's calibration estimate; ``keep_cache``:
+    the cache stays for the next ``--run`` of the same step (which then reads it: the step alone is timed)."""
     path = root / f"deepseek-v3-fp8-{moe_layers}l-{experts}e"
     if fill and not (path / "filled").exists():
         shutil.rmtree(path, ignore_errors=True)
@@ -347,7 +348,8 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
                               "stats_estimate_gib": round(dry["calibration_stats_bytes"] / GiB, 2),
                               "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
                               "cache_gib": round(cache / GiB, 2)}))  # fmt: skip
-            shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
+            if not keep_cache:
+                shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
             continue
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         report = json.loads((out / "report.json").read_text())
@@ -376,13 +378,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="deepseek: vocabulary (real: 129280)")
     ap.add_argument("--fill", action="store_true", help="deepseek --run: write random values into the holes")
     ap.add_argument("--calibrate-only", action="store_true", help="deepseek --run: calibration alone, peak vs estimate")
+    ap.add_argument("--keep-cache", action="store_true", help="deepseek --calibrate-only: keep the statistics for the next --run")
     args = ap.parse_args()
     args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.what == "deepseek" and args.run:
         deepseek_run(root, args.steps, args.moe_layers, args.expert_chunk, args.memory_limit, args.samples,
-                     args.seq_len, args.source, args.experts, args.vocab, args.fill, args.calibrate_only)  # fmt: skip
+                     args.seq_len, args.source, args.experts, args.vocab, args.fill, args.calibrate_only,
+                     args.keep_cache)  # fmt: skip
     elif args.what == "deepseek":
         deepseek(root)
     else:

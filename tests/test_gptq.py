@@ -269,3 +269,19 @@ def test_a_shared_hessian_factor_gives_the_same_codes(act_order):
     d, hd = (w - w_hat).double(), h.double()
     exact = float(((d @ hd) * d).sum() / ((w.double() @ hd) * w.double()).sum())
     assert output_errors(w, [w_hat, w], h) == [pytest.approx(exact, rel=64 * torch.finfo(torch.float32).eps), 0.0]
+
+
+def test_output_errors_read_evenly_spaced_rows_of_a_tall_projection():
+    """Past ``rows`` output rows the errors are those of every ``⌈out/rows⌉``-th row (the same formula on
+    those rows); up to ``rows`` rows, or ``rows=None``, every row is read."""
+    from moecompress.methods.gptq import error_rows, output_errors
+
+    g = torch.Generator().manual_seed(6)
+    w, h = torch.randn(50, 24, generator=g), _spd(24, seed=7)
+    hats = [w + 0.05 * torch.randn(w.shape, generator=g) for _ in range(2)]
+    idx = error_rows(50, 16)
+    assert idx.tolist() == list(range(0, 50, 4)) and error_rows(16, 16) is None and error_rows(50, None) is None
+    assert output_errors(w, hats, h, rows=16) == output_errors(w[idx], [x[idx] for x in hats], h, rows=None)
+    assert output_errors(w, hats, h, rows=50) == output_errors(w, hats, h, rows=None)
+    assert output_errors(w, hats, h, rows=16) != output_errors(w, hats, h, rows=None)
+

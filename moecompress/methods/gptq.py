@@ -26,8 +26,11 @@ from the original ``W`` before any column is quantised ("static groups", GPTQMod
 Input channels that saw no calibration input (``H_jj = 0``) get ``H_jj = 1`` and are rounded like
 any other (the paper zeroes them; a channel the calibration missed may still carry input later). A
 zero ``H`` therefore gives exactly round-to-nearest, as does any diagonal ``H`` (no coupling between
-columns): that is the oracle. Arithmetic: ``H⁻¹`` and its Cholesky factor in float64, the column loop
-in float32.
+columns): that is the oracle. Arithmetic: ``H⁻¹`` and its Cholesky factor in float64, rounded to
+float32, the column loop in float32. The paper's code and llm-compressor factorise in float32 (5.7 CPU s
+at DeepSeek-V3's 7168 channels against 9.7 s in float64), but float32 LAPACK results change with the
+thread count, and so would the codes: a layer sharded over ``torchrun`` ranks (one thread each) would not
+write one process's bytes. Rounded from float64 they agree (``tests/test_distributed.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def hessian_factor(h: torch.Tensor, damp: float, act_order: bool) -> tuple[torch
     """``(perm, U)`` of :func:`gptq_quantize` for Hessian ``h``: the column order (``act_order``: by
     decreasing ``H_jj``; else ``None``) and the float32 copy of :func:`inverse_hessian_factor` of ``h`` in
     that order. Projections that read the same input (gate and up) share it: at DeepSeek-V3 shapes
-    (7168 channels) it is 12 CPU s of float64 Cholesky work."""
+    (7168 channels) it is 9.7 CPU s of float64 Cholesky work."""
     perm = torch.argsort(torch.diagonal(h).double(), descending=True, stable=True) if act_order else None
     hp = h if perm is None else h[perm][:, perm]
     return perm, inverse_hessian_factor(hp, damp).float()
@@ -182,20 +185,38 @@ def gptq_quantize(
     return codes.to(torch.uint8).contiguous(), scales, None if symmetric else zeros.to(torch.uint8)
 
 
-def output_errors(w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor) -> list[float]:
+ERROR_ROWS = 512
+"""Output rows :func:`output_errors` reads at most (evenly spaced): its products cost ``rows·in²`` each."""
+
+
+def error_rows(out: int, rows: int | None = ERROR_ROWS) -> torch.Tensor | None:
+    """The output rows :func:`output_errors` reads of ``out``: every ``⌈out / rows⌉``-th from row 0, or
+    ``None`` (all of them) when ``out ≤ rows`` or ``rows`` is ``None``."""
+    if rows is None or out <= rows:
+        return None
+    return torch.arange(0, out, -(-out // rows))
+
+
+def output_errors(
+    w: torch.Tensor, w_hats: list[torch.Tensor], h: torch.Tensor, rows: int | None = ERROR_ROWS
+) -> list[float]:
     """``tr((W − Ŵ) H (W − Ŵ)ᵀ) / tr(W H Wᵀ)`` for every ``Ŵ`` of ``w_hats``: the relative layer-output
-    error ``‖(W − Ŵ)X‖² / ‖WX‖²`` for inputs with second moment ``H`` (0 when ``W H Wᵀ`` vanishes). The
-    products are float32 (a report figure: relative error ~1e-6; float64 made it 5 CPU s per matrix at
-    DeepSeek-V3 shapes), the traces summed in float64; the denominator is shared."""
-    hf, wf = h.float(), w.float()
+    error ``‖(W − Ŵ)X‖² / ‖WX‖²`` for inputs with second moment ``H`` (0 when ``W H Wᵀ`` vanishes),
+    estimated on the output rows of :func:`error_rows` (exact when ``W`` has at most ``rows`` rows; the
+    sum over every row cost 10.8 CPU s per DeepSeek-V3 expert, the estimate 512/2048 and 512/7168 of it).
+    The products are float32 (a report figure: relative error ~1e-6), the traces summed in float64; the
+    denominator is shared."""
+    idx = error_rows(w.shape[0], rows)
+    pick = (lambda t: t) if idx is None else (lambda t: t[idx])
+    hf, wf = h.float(), pick(w).float()
     den = float(((wf @ hf) * wf).sum(dtype=torch.float64))
     out = []
     for w_hat in w_hats:
-        d = wf - w_hat.float()
+        d = wf - pick(w_hat).float()
         out.append(float(((d @ hf) * d).sum(dtype=torch.float64)) / den if den > 0 else 0.0)
     return out
 
 
-def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, rows: int | None = ERROR_ROWS) -> float:
     """:func:`output_errors` of one ``Ŵ``."""
-    return output_errors(w, [w_hat], h)[0]
+    return output_errors(w, [w_hat], h, rows)[0]

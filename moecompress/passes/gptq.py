@@ -31,7 +31,8 @@ projection: a Cholesky factorisation and inverse of ``H`` (``in³``) and ``out·
 
 Report: as ``rtn`` (bytes before/after, bytes per routed parameter, relative weight error) plus the
 relative output error ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` of GPTQ and of round-to-nearest on the same grid,
-per projection, averaged over the quantised experts.
+per projection, averaged over the quantised experts (estimated on 512 evenly spaced output rows of a
+projection with more: :func:`~moecompress.methods.gptq.output_errors`).
 
 Example steps::
 
