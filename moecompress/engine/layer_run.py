@@ -228,13 +228,14 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
         parts[g].append(skeleton(new))
         infos.append(info)
         bnds.append((lo, hi))
+        out = writes = None  # the unit's output and its encoded tensors: gone before the next unit is read
         if g in written:
             out = chunks.sub_layer(shells[0], new, 0)
             is_stock, writes = encode_chunk(lp.ckpt, idx, out, lo, stock=False if dec.shell.expert_map is not None else None)
             _write_chunk(run, idx, step.number, StepPart(g, lo, None, 0.0, stock=is_stock, writes=writes), stock)
         secs[g] += time.perf_counter() - t0
         run.peak[step.number] = max(run.peak[step.number], rss_mb())
-        del bank, new
+        del bank, new, out, writes
         release_freed()
     for s in range(g + 1, len(steps)):
         parts[s] = parts[g]
