@@ -185,16 +185,42 @@ def test_output_whitening_runs_with_the_backward_statistics(tiny_qwen, tmp_path)
 
 
 def test_dry_run_counts_the_float64_svd_workspace(tiny_qwen, tmp_path):
-    """One projection copied and factorize's float64 chunk (SVD_WORKSPACE_COPIES copies of up to SVD_CHUNK
-    experts); at Qwen3-30B shapes the estimate without it was 0.79 of the peak."""
+    """One projection copied and factorize's float64 workspace (SVD_WORKSPACE_COPIES copies of one expert);
+    at Qwen3-30B shapes the estimate without it was 0.79 of the peak."""
     from moecompress.engine.dry_run import meta_layer
     from moecompress.io.checkpoint import open_checkpoint
-    from moecompress.methods.svd import SVD_CHUNK, SVD_WORKSPACE_COPIES
+    from moecompress.methods.svd import SVD_WORKSPACE_COPIES
 
     rec = {"model": str(tiny_qwen), "output": str(tmp_path / "o"), "calibration": CAL, "steps": [{"svd_experts": {}}]}
     est = next(iter(mc.apply(rec, dry_run=True, progress=False).report["dry_run"]["step_memory"].values()))
     ckpt = open_checkpoint(tiny_qwen)
     bank = meta_layer(ckpt, ckpt.moe_layer_indices[0]).experts
-    e, out, inn = bank.gate.shape
-    assert est["workspace_bytes"] >= SVD_WORKSPACE_COPIES * min(SVD_CHUNK, e) * out * inn * 8 + bank.gate.nbytes()
+    _, out, inn = bank.gate.shape
+    assert est["workspace_bytes"] >= SVD_WORKSPACE_COPIES * out * inn * 8 + bank.gate.nbytes()
     assert est["bytes"] >= est["input_bytes"] + est["workspace_bytes"] + est["output_bytes"]
+
+
+def test_a_chunk_reads_the_layers_whiteners_from_the_prelude():
+    """By chunks of experts the whiteners are made once per layer (``prelude``) and every chunk uses them
+    rather than its statistics: a prelude of identity whiteners gives the unwhitened factorisation."""
+    from moecompress.passes.svd_experts import prelude
+
+    layer = _layer(4)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, H, generator=g, dtype=torch.float64) * torch.logspace(1, -1, H, dtype=torch.float64)
+    tensors = {"input_cov": x.T @ x / 64, "down_in_cov_pooled": torch.eye(W, dtype=torch.float64) * 2}
+    cfg = SvdExpertsConfig(ratio=0.5)
+    pre = prelude(layer, LayerStats(0, tensors), cfg)
+    assert pre["gate"] is pre["up"] and pre["gate"].right_kind == "lower"
+    whole, _ = svd_experts(layer, LayerStats(0, tensors), cfg)
+    chunk, _ = svd_experts(layer, LayerStats(0, tensors, prelude=pre), cfg)
+    plain, _ = svd_experts(layer, LayerStats(0), SvdExpertsConfig(ratio=0.5, whitening="none"))
+    none = prelude(layer, LayerStats(0), SvdExpertsConfig(ratio=0.5, whitening="none"))
+    ident, _ = svd_experts(layer, LayerStats(0, tensors, prelude=none), cfg)
+    for name in ("gate", "up", "down"):
+        for a, b in ((whole, chunk), (plain, ident)):
+            ta, tb = getattr(a.experts, name).tensors(), getattr(b.experts, name).tensors()
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+    assert not torch.equal(whole.experts.gate.tensors()["v"], plain.experts.gate.tensors()["v"])
+    every = layer.replace(protected=frozenset(range(E)))
+    assert prelude(every, LayerStats(0, tensors), cfg) is None

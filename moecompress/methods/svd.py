@@ -1,5 +1,6 @@
 """Whitened truncated SVD of expert matrices (the per-expert low-rank baseline's maths): the rank split
-that meets a parameter budget and the chunked factorisation in float64."""
+that meets a parameter budget and the factorisation in float64, expert by expert, through the
+eigendecomposition of the smaller Gram matrix of the whitened expert (:func:`whitened_svd`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from fractions import Fraction
 
 import torch
 
-from moecompress.methods.whitening import Whitener
+from moecompress.methods.whitening import Whitener, gram_lower
 
 
 def rank_split(out: int, inn: int, n: int, ratio: float, mode: str = "balanced") -> tuple[int, int]:
@@ -19,39 +20,70 @@ def rank_split(out: int, inn: int, n: int, ratio: float, mode: str = "balanced")
     return divmod(math.floor(c * n), n)  # base = ⌊⌊c·n⌋ / n⌋ = ⌊c⌋
 
 
-SVD_CHUNK = 16
-"""Experts factorised at once by :func:`factorize`."""
-
-SVD_WORKSPACE_COPIES = 5
-"""float64 copies of one chunk of experts alive during :func:`factorize`'s SVD (the whitened matrices,
-LAPACK's copy and work arrays, the factors before truncation): measured 4.7 at [16, 768, 2048]."""
+SVD_WORKSPACE_COPIES = 4
+"""float64 copies of one expert alive during :func:`factorize` (the expert, its whitened copy and the kept
+factors with their temporaries), plus ``2·min(out, in)²`` for the Gram matrix and its eigenvectors: peak
+resident growth beyond the kept factors measured 4.04 / 3.87 copies in all at ``[2048, 7168]`` /
+``[7168, 2048]`` (DeepSeek-V3's gate / down), under this estimate's 4.57."""
 
 
 def factorize_workspace(out: int, inn: int, experts: int) -> int:
-    """Peak bytes :func:`factorize` allocates beyond its input and kept factors."""
-    return SVD_WORKSPACE_COPIES * min(SVD_CHUNK, experts) * out * inn * 8
+    """Peak bytes :func:`factorize` allocates beyond its input and kept factors (one expert at a time)."""
+    return (SVD_WORKSPACE_COPIES * out * inn + 2 * min(out, inn) ** 2) * 8 if experts else 0
+
+
+def _signed(q: torch.Tensor) -> torch.Tensor:
+    """Columns of ``q`` signed so that each one's entry of largest magnitude is positive."""
+    top = q.abs().argmax(0)
+    sign = torch.sign(q[top, torch.arange(q.shape[1], device=q.device)])
+    return q * torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
+def whitened_svd(w: torch.Tensor, wh: Whitener, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(u [out, keep], v [keep, in], s [min(out, in)])`` in float64 for one expert ``w`` ``[out, in]``:
+    ``u·v = A⁻¹ U_k S_k V_kᵀ B⁻¹`` with ``U S Vᵀ`` the SVD of the whitened ``A·w·B`` (``s`` all its
+    singular values, descending). The smaller side's singular vectors are the eigenvectors of the smaller
+    Gram matrix (``X Xᵀ`` or ``Xᵀ X``, float64), the other side's follow from them without un-whitening the
+    larger side: with ``out ≤ in``, ``v = S_k⁻¹ U_kᵀ A w`` (``= (B⁻ᵀ V_k)ᵀ``), else ``u = w B V_k``
+    (``= A⁻¹ U_k S_k``). The kept singular values' relative accuracy is that of the Gram matrix, ``eps ·
+    (s₁/s_k)²``: float64 keeps it far below the factors' storage rounding. Columns are signed (the entry of
+    largest magnitude positive) on the side found by ``eigh``."""
+    wide = w.shape[0] <= w.shape[1]
+    a_w = wh.whiten_out(w)  # A·w: v's source when out <= in
+    x = wh.whiten_in(a_w)  # A·w·B
+    g = gram_lower(x if wide else x.T)  # the lower triangle of X Xᵀ or Xᵀ X
+    lam, q = torch.linalg.eigh(g)  # ascending; eigh reads the lower triangle
+    s = lam.flip(0).clamp_min(0).sqrt()
+    q = _signed(q.flip(1)[:, :keep])
+    sk = s[:keep]
+    tiny = float(s[0]) * torch.finfo(torch.float64).eps * max(w.shape) if len(s) else 0.0
+    if wide:  # q = U_k
+        u = wh.unwhiten_out(q * sk)
+        v = (q.T @ a_w) / sk.clamp_min(max(tiny, 1e-300))[:, None]
+    else:  # q = V_k
+        u = wh.unwhiten_out(x @ q)
+        v = wh.unwhiten_in(q).T
+    return u, v, s
 
 
 def factorize(
-    w: torch.Tensor, wh: Whitener, base: int, extra: int = 0, chunk: int = SVD_CHUNK
+    w: torch.Tensor, wh: Whitener, base: int, extra: int = 0
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Whitened truncated SVD of ``w`` ``[M, out, in]``: per expert ``(u [out, r], v [r, in])`` in
-    ``w``'s dtype, and the relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F`` per expert. Works on
-    ``chunk`` experts at a time in float64; only the kept factors (in ``w``'s dtype) accumulate."""
+    ``w``'s dtype, and the relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F`` per expert. One expert at
+    a time in float64 (:func:`whitened_svd`); only the kept factors (in ``w``'s dtype) accumulate."""
     keep = min(base + (1 if extra else 0), *w.shape[1:])
     us, vs, ss = [], [], []
-    for a in range(0, w.shape[0], chunk):
-        u_, s, vh = torch.linalg.svd(wh.whiten(w[a : a + chunk]), full_matrices=False)  # float64
-        us.append(wh.unwhiten_out(u_[:, :, :keep] * s[:, None, :keep]).to(w.dtype))  # [m, out, keep]
-        vs.append(wh.unwhiten_in(vh[:, :keep].transpose(1, 2)).transpose(1, 2).to(w.dtype))  # [m, keep, in]
+    for m in range(w.shape[0]):
+        u, v, s = whitened_svd(w[m], wh, keep)
+        us.append(u.to(w.dtype))
+        vs.append(v.to(w.dtype))
         ss.append(s)
-    s = torch.cat(ss)
+    s = torch.stack(ss) if ss else w.new_zeros(0, min(w.shape[1:]), dtype=torch.float64)
     ranks = torch.full((w.shape[0],), min(base, keep), dtype=torch.int64, device=s.device)
     if keep > base:  # the extra ranks go where the next singular value is largest
         ranks[s[:, base].sort(descending=True, stable=True).indices[:extra]] += 1
     energy = s.pow(2)
     kept = torch.arange(s.shape[1], device=s.device)[None, :] < ranks[:, None]
     err = (energy.masked_fill(kept, 0).sum(1) / energy.sum(1).clamp_min(1e-300)).sqrt()
-    u, v = torch.cat(us), torch.cat(vs)
-    pairs = [(u[m, :, :r].contiguous(), v[m, :r].contiguous()) for m, r in enumerate(ranks.tolist())]
-    return pairs, err
+    return [(us[m][:, :r].contiguous(), vs[m][:r].contiguous()) for m, r in enumerate(ranks.tolist())], err

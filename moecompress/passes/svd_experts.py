@@ -127,12 +127,29 @@ def _emits(layer: MoELayer, cfg: SvdExpertsConfig) -> MoELayer:
 
 def _workspace(layer: MoELayer, cfg: SvdExpertsConfig) -> int:
     """Bytes beyond the input and output (the dry run's estimate): one projection's routed experts copied
-    (``w[todo]``) and :func:`~moecompress.methods.svd.factorize`'s float64 chunk workspace, for the largest
-    projection (one projection is factorised at a time)."""
+    (``w[todo]``) and :func:`~moecompress.methods.svd.factorize`'s float64 workspace (one expert at a
+    time), for the largest projection (one projection is factorised at a time)."""
     bank = layer.experts
     sizes = [getattr(bank, n).shape for n in PROJ]
     copy = max(getattr(bank, n).nbytes() for n in PROJ)
     return copy + max(factorize_workspace(out, inn, e) for e, out, inn in sizes)
+
+
+def _whiteners(stats: LayerStats, cfg: SvdExpertsConfig) -> dict:
+    """The layer's pooled whiteners: made once per layer by :func:`prelude` for a layer held by chunks of
+    experts, else here (the same function)."""
+    if isinstance(stats.prelude, dict):
+        return stats.prelude
+    return projection_whiteners(stats, cfg.whitening, cfg.input_form)
+
+
+def prelude(shell: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> dict | None:
+    """For a layer held by chunks of experts: the pooled whiteners, once per layer (their Cholesky factors
+    of ``hidden × hidden`` covariances cost more than a chunk's SVDs); ``None`` when every expert is
+    protected (the chunks then make none)."""
+    if shell.experts.num_experts <= len({shell.physical(e) for e in shell.protected}):
+        return None
+    return projection_whiteners(stats, cfg.whitening, cfg.input_form)
 
 
 def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[MoELayer, dict]:
@@ -144,7 +161,7 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
     info: dict = {"protected": protected, "ranks": {}, "whitened_rel_error": {}}
     # every expert protected (a whole layer, or a chunk of one): the lowrank layout, all dense, so that
     # the chunks of a layer held by chunks join
-    whiteners = projection_whiteners(stats, cfg.whitening, cfg.input_form) if todo else {}
+    whiteners = _whiteners(stats, cfg) if todo else {}
     lays, dec_before, dec_after = [], 0, 0
     for name in PROJ:
         lay = getattr(bank, name)
@@ -152,7 +169,7 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
         w = lay.dense()
         if todo:
             pairs, err = factorize(
-                w[todo], whiteners[name], *rank_split(out, inn, len(todo), cfg.ratio, cfg.ranks)
+                w[todo], whiteners[name].to(w.device), *rank_split(out, inn, len(todo), cfg.ratio, cfg.ranks)
             )
         else:
             pairs, err = [], None
@@ -224,5 +241,5 @@ SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
     on_device=True, workspace=_workspace, alters=frozenset({"weights"}),
-    chunking=Chunking("expert", merge=merge_svd, exact=lambda cfg: cfg.ranks == "uniform"),  # pooled whiteners: per expert
+    chunking=Chunking("expert", merge=merge_svd, exact=lambda cfg: cfg.ranks == "uniform", prelude=prelude),  # pooled whiteners: per expert
 )  # fmt: skip
