@@ -172,3 +172,38 @@ def test_adaptive_budget_keeps_the_mean_and_spares_the_sensitive_layer(tmp_path)
     rep = json.loads((tmp_path / "o" / "steps" / "01-tdmoe" / "report.json").read_text())
     assert abs(rep["summary"]["routed_fraction_removed"] - 0.4) <= 0.01
     assert len(set(rep["summary"]["per_layer_fraction"].values())) > 1
+
+
+def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
+    """``whitened_rel_error`` is ``‖X − X̂‖ / ‖X‖`` of the float64 decomposition (computed directly here),
+    whole layer and by chunks (``gather``/``fit``/``project``: ``‖X_e‖²`` noted by ``gather`` per expert
+    of the step's input, each chunk reading its own through ``Factors.chunk``)."""
+    from moecompress.engine.chunks import sub_layer, take
+    from moecompress.engine.spec import LayerStats
+    from moecompress.methods.whitening import projection_whiteners
+    from moecompress.passes.tdmoe import TdmoeConfig, fit, gather, merge_tdmoe, project, tdmoe
+
+    layer = _layer(5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(80, H, generator=g, dtype=torch.float64) * torch.logspace(1, -1, H, dtype=torch.float64)
+    h = torch.randn(80, W, generator=g, dtype=torch.float64)
+    st = LayerStats(0, {"input_cov": x.T @ x / 80, "down_in_cov_pooled": h.T @ h / 80})
+    cfg = TdmoeConfig(ratio=0.4)
+    _, info = tdmoe(layer, st, cfg)
+    whs = projection_whiteners(st, "input")
+    acc, bnds = None, [(0, 2), (2, 3), (3, E)]
+    subs = [sub_layer(layer, take(layer.experts, list(range(a, b))), a) for a, b in bnds]
+    for sub in subs:
+        acc = gather(sub, st, cfg, acc)
+    pre = fit(acc, layer, st, cfg)
+    parts = [project(sub, pre.chunk(a, b))[1] for sub, (a, b) in zip(subs, bnds)]
+    merged = merge_tdmoe(parts, bnds, cfg)
+    for proj in ("gate", "up", "down"):
+        w = getattr(layer.experts, proj).dense().double()
+        t = whs[proj].whiten(w)
+        core, factors = decompose(w, whs[proj], *info[proj]["ranks"], "hosvd")
+        rec = torch.from_numpy(tl.tucker_to_tensor((core.numpy(), [f.numpy() for f in factors])))
+        want = float((t - rec).norm() / t.norm())
+        assert info[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
+        assert merged[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
+    assert len(pre.energy["gate"]) == E and len(pre.chunk(2, 3).energy["gate"]) == 1

@@ -11,7 +11,7 @@ import torch
 
 from moecompress.errors import MethodError
 from moecompress.extras import require
-from moecompress.methods.whitening import Whitener
+from moecompress.methods.whitening import Whitener, gram_lower, lower_to_symmetric
 
 
 def tucker_ranks(
@@ -89,3 +89,31 @@ def gram_factor(gram: torch.Tensor, r: int) -> torch.Tensor:
     top = u.abs().argmax(0)
     sign = torch.sign(u[top, torch.arange(u.shape[1])])
     return u * torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
+# -- by chunks of experts (``tdmoe``'s gather / fit / project) ----------------------------------------------
+def add_grams(x: torch.Tensor, g_out: torch.Tensor, g_in: torch.Tensor) -> float:
+    """One whitened expert ``x`` ``[out, in]`` added to the lower triangles of the mode Grams ``g_out +=
+    x xᵀ``, ``g_in += xᵀ x`` (:func:`~moecompress.methods.whitening.gram_lower`); returns ``‖x‖²``."""
+    gram_lower(x, g_out)
+    gram_lower(x.T, g_in)
+    return float(x.pow(2).sum())
+
+
+def gram_factors(g_out: torch.Tensor, g_in: torch.Tensor, r2: int, r3: int, wh: Whitener, dtype: torch.dtype):
+    """From the lower triangles of the summed mode Grams, the whitened HOSVD factors ``U_out``, ``U_in``
+    (:func:`gram_factor`) as ``(outer, inner)``: ``outer = (A⁻¹U_out, B⁻ᵀU_in)`` in ``dtype`` (the stored
+    factors) and ``inner = (AᵀU_out, B U_in)`` in float64, with which an expert's core is
+    ``U_outᵀ (A W B) U_in = innerₒᵀ W innerᵢ`` (:func:`sandwich`) without whitening it."""
+    u_w = gram_factor(lower_to_symmetric(g_out), r2)
+    v_w = gram_factor(lower_to_symmetric(g_in), r3)
+    outer = (wh.unwhiten_out(u_w).to(dtype), wh.unwhiten_in(v_w).to(dtype))
+    return outer, (wh.transpose_out(u_w), wh.right_mul(v_w))
+
+
+def sandwich(p: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``pᵀ w q`` (float64) in the cheaper order of the two products."""
+    (out, inp), r2, r3 = w.shape, p.shape[1], q.shape[1]
+    if r2 * inp * (out + r3) <= out * r3 * (inp + r2):
+        return (p.T @ w) @ q
+    return p.T @ (w @ q)

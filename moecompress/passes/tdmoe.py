@@ -39,7 +39,7 @@ Example steps::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -52,7 +52,14 @@ from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
 from moecompress.methods.structure import allocate, mode_bases, tucker_residual
-from moecompress.methods.tucker import decompose, decompose_workspace, gram_factor, tucker_ranks
+from moecompress.methods.tucker import (
+    add_grams,
+    decompose,
+    decompose_workspace,
+    gram_factors,
+    sandwich,
+    tucker_ranks,
+)
 from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 from moecompress.passes.neuron_pruning import one_width_members
 from moecompress.reference import moe_forward
@@ -133,9 +140,8 @@ def _factorise(lay, proj: str, members, dense_ids, live: int, wh: Whitener, rati
     dt = lay.dtype
     dense = full[dense_ids].to(dt) if dense_ids else None
     new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None if fold else u_e.to(dt))
-    recon = torch.stack([new.expert(e) for e in members]).double()[..., :out, :inp]
-    target = wh.whiten(w)
-    err = float((wh.whiten(recon) - target).norm() / target.norm().clamp_min(1e-30))
+    ref = float(wh.whiten(w).pow(2).sum())  # the core is the whitened stack projected on the factors
+    err = (max(ref - float(core.pow(2).sum()), 0.0) / ref) ** 0.5 if ref > 0 else 0.0
     return new, {"ranks": [r1, r2, r3], "whitened_rel_error": round(err, 6)}
 
 
@@ -281,31 +287,45 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
 # (X_e = A·W_e·B), the left singular vectors of the mode unfoldings that tensorly computes, and the
 # per-expert cores C_e = U_outᵀ X_e U_in depend on expert e alone. A layer held by chunks is swept twice:
 # the Grams summed over every chunk (``gather``), the factors fitted once (``fit``), then each chunk
-# projected onto them (``project``, the step's run on the chunk).
+# projected onto them (``project``, the step's run on the chunk). The cores need no whitened copy of an
+# expert: C_e = U_outᵀ (A W_e B) U_in = (Aᵀ U_out)ᵀ W_e (B U_in), both outer factors made once by ``fit``;
+# the whitened errors ‖X_e − U_out C_e U_inᵀ‖² = ‖X_e‖² − ‖C_e‖² (orthonormal factors), with ‖X_e‖²
+# noted by ``gather``. Like the whole layer's (``_factorise``), they are the float64 decomposition's
+# errors, before the factors are stored in the weights' dtype.
 
 
 @dataclass
 class Grams:
     """The first sweep's fold: the whiteners (the layer's pooled statistics, made at the first chunk), per
-    projection ``G_out`` ``[out, out]`` and ``G_in`` ``[in, in]`` (float64), the decomposed experts seen."""
+    projection the lower triangles of ``G_out`` ``[out, out]`` and ``G_in`` ``[in, in]`` (float64,
+    :func:`~moecompress.methods.whitening.gram_lower`) and per expert of the step's input, in order,
+    ``‖X_e‖²`` (0 for a protected one); the decomposed experts seen."""
 
     whiteners: dict[str, Whitener]
     g_out: dict[str, torch.Tensor]
     g_in: dict[str, torch.Tensor]
     members: int = 0
+    energy: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
 class Factors:
     """What every chunk of a layer reads (``stats.prelude``): the whiteners, the layer's ratio, its decomposed
     experts ``members`` (``M``, 0: every expert protected, the layer is left as it is), per projection the
-    ranks ``(M, r2, r3)`` and the whitened factors ``(U_out, U_in)`` (float64)."""
+    ranks ``(M, r2, r3)``, the stored factors ``outer`` (``A⁻¹U_out``, ``B⁻ᵀU_in``, in the weights' dtype),
+    the factors that give the cores from the un-whitened experts ``inner`` (``AᵀU_out``, ``B U_in``,
+    float64) and ``energy``: ``‖X_e‖²`` per expert of the step's input (``chunk(a, b)``: the chunk's)."""
 
     whiteners: dict[str, Whitener]
     ratio: float
     members: int
     ranks: dict[str, tuple[int, int, int]]
-    white: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    outer: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    inner: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    energy: dict[str, torch.Tensor]
+
+    def chunk(self, a: int, b: int) -> Factors:
+        return replace(self, energy={p: v[a:b] for p, v in self.energy.items()})
 
 
 def _expert(full: torch.Tensor, proj: str, e: int, live: int) -> torch.Tensor:
@@ -327,14 +347,14 @@ def gather(sub: MoELayer, stats: LayerStats, cfg: TdmoeConfig, acc: Grams | None
             out, inp = (live, inp) if proj != "down" else (out, live)
             acc.g_out[proj] = torch.zeros(out, out, dtype=torch.float64)
             acc.g_in[proj] = torch.zeros(inp, inp, dtype=torch.float64)
+            acc.energy[proj] = []
     for proj in PROJ:
         full, wh = getattr(sub.experts, proj).dense(), acc.whiteners[proj]
         g_out, g_in = acc.g_out[proj], acc.g_in[proj]
+        energy = [0.0] * sub.experts.num_experts
         for e in members:
-            x = wh.whiten(_expert(full, proj, e, live)).to(g_out.device)
-            g_out.addmm_(x, x.T)
-            g_in.addmm_(x.T, x)
-            del x
+            energy[e] = add_grams(wh.whiten(_expert(full, proj, e, live)).to(g_out.device), g_out, g_in)
+        acc.energy[proj] += energy
     acc.members += len(members)
     return acc
 
@@ -344,14 +364,17 @@ def fit(acc: Grams | None, shell: MoELayer, stats: LayerStats, cfg: TdmoeConfig)
     (``budget: adaptive``: the plan's), the leading eigenvectors (:func:`gram_factor`)."""
     ratio = cfg.ratio if stats.plan is None else float(stats.plan)
     if acc is None or acc.members == 0:
-        return Factors({}, ratio, 0, {}, {})
-    ranks, white = {}, {}
-    for proj in PROJ:
-        g_out, g_in = acc.g_out[proj], acc.g_in[proj]
-        r1, r2, r3, _ = tucker_ranks(acc.members, g_out.shape[0], g_in.shape[0], ratio, None)
-        ranks[proj] = (r1, r2, r3)
-        white[proj] = (gram_factor(g_out, r2), gram_factor(g_in, r3))
-    return Factors(acc.whiteners, ratio, acc.members, ranks, white)
+        return Factors({}, ratio, 0, {}, {}, {}, {})
+    ranks, outer, inner = {}, {}, {}
+    for proj in PROJ:  # each Gram released once used
+        g_out, g_in = acc.g_out.pop(proj), acc.g_in.pop(proj)
+        ranks[proj] = tucker_ranks(acc.members, g_out.shape[0], g_in.shape[0], ratio, None)[:3]
+        outer[proj], inner[proj] = gram_factors(
+            g_out, g_in, *ranks[proj][1:], acc.whiteners[proj], getattr(shell.experts, proj).dtype
+        )
+        del g_out, g_in
+    energy = {p: torch.tensor(v, dtype=torch.float64) for p, v in acc.energy.items()}
+    return Factors(acc.whiteners, ratio, acc.members, ranks, outer, inner, energy)
 
 
 def project(layer: MoELayer, pre: Factors) -> tuple[MoELayer, dict]:
@@ -366,13 +389,16 @@ def project(layer: MoELayer, pre: Factors) -> tuple[MoELayer, dict]:
     members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
     lays, info, shared = {}, {}, 0
     for proj in PROJ:
-        lay, wh = getattr(bank, proj), pre.whiteners[proj]
+        lay = getattr(bank, proj)
         full, dt = lay.dense(), lay.dtype
-        u_w, v_w = pre.white[proj]
+        (u_out, u_in), (p, q), energy = pre.outer[proj], pre.inner[proj], pre.energy[proj]
         r1, r2, r3 = pre.ranks[proj]
-        xs = [wh.whiten(_expert(full, proj, e, live)) for e in members]
-        cores = torch.stack([u_w.T @ x @ v_w for x in xs]) if xs else torch.zeros(0, r2, r3, dtype=torch.float64)
-        u_out, u_in = wh.unwhiten_out(u_w), wh.unwhiten_in(v_w)
+        cores = torch.zeros(len(members), r2, r3, dtype=torch.float64)
+        err = ref = 0.0
+        for i, e in enumerate(members):
+            cores[i] = sandwich(p, _expert(full, proj, e, live).double(), q)
+            ref += float(energy[e])
+            err += max(float(energy[e]) - float(cores[i].pow(2).sum()), 0.0)
         pad = lay.shape[1] - u_out.shape[0] if proj != "down" else lay.shape[2] - u_in.shape[0]
         if proj != "down":
             u_out = torch.cat([u_out, u_out.new_zeros(pad, r2)])
@@ -382,11 +408,6 @@ def project(layer: MoELayer, pre: Factors) -> tuple[MoELayer, dict]:
         index[members] = torch.arange(len(members))
         dense = full[dense_ids].to(dt) if dense_ids else None
         new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None)
-        err = ref = 0.0
-        for e, x in zip(members, xs):
-            rec = new.expert(e).double()[: x.shape[0], : x.shape[1]]  # the live part
-            err += float((wh.whiten(rec) - x).pow(2).sum())
-            ref += float(x.pow(2).sum())
         rel = (err / ref) ** 0.5 if ref > 0 else 0.0
         info[proj] = {"ranks": [r1, r2, r3], "whitened_rel_error": round(rel, 6), "sq": [err, ref]}
         lays[proj] = new
