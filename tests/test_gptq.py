@@ -285,3 +285,26 @@ def test_output_errors_read_evenly_spaced_rows_of_a_tall_projection():
     assert output_errors(w, hats, h, rows=50) == output_errors(w, hats, h, rows=None)
     assert output_errors(w, hats, h, rows=16) != output_errors(w, hats, h, rows=None)
 
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 37])
+def test_the_factor_is_the_cholesky_factor_of_the_inverse_hessian(n):
+    """``U`` (one Cholesky of the reversed ``H`` and a triangular inverse by halves) is upper triangular
+    with a positive diagonal and ``Uᵀ U (H + λI) = I``; it equals ``chol((H + λI)⁻¹)ᵀ`` formed the
+    direct way, to float64 rounding scaled by the condition number; ``lower_inverse`` at any leaf size
+    inverts a lower-triangular matrix."""
+    from moecompress.methods.gptq import inverse_hessian_factor, lower_inverse
+
+    h = _spd(n, seed=n).double()
+    hd = h + 0.01 * float(h.diagonal().mean()) * torch.eye(n, dtype=torch.float64)
+    u = inverse_hessian_factor(h, 0.01)
+    tol = 16 * n * float(torch.linalg.cond(hd)) * torch.finfo(torch.float64).eps
+    assert torch.equal(u, u.triu()) and bool((u.diagonal() > 0).all())
+    assert float((u.T @ u @ hd - torch.eye(n, dtype=torch.float64)).abs().max()) < tol
+    direct = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
+    assert float((u - direct).abs().max() / direct.abs().max()) < tol
+    c = torch.linalg.cholesky(hd)
+    for leaf in (1, 2, 3, 512):
+        inv = lower_inverse(c, leaf)
+        assert torch.equal(inv, inv.tril())
+        assert float((inv @ c - torch.eye(n, dtype=torch.float64)).abs().max()) < tol
