@@ -131,6 +131,11 @@ def test_bad_inputs_are_one_line_errors():
         gptq_quantize(w, h, 5)
     with pytest.raises(MethodError, match="inf/NaN"):
         gptq_quantize(w, h * float("nan"), 4)
+    for bad in (float("inf"), float("-inf"), float("nan")):  # one entry is enough
+        one = h.clone()
+        one[2, 5] = bad
+        with pytest.raises(MethodError, match="inf/NaN"):
+            gptq_quantize(w, one, 4)
     singular = torch.ones(8, 8)  # rank one: not positive definite without damping
     with pytest.raises(MethodError, match=r"not positive definite after damp=0\.0; raise damp"):
         gptq_quantize(w, singular, 4, damp=0.0)

@@ -151,7 +151,7 @@ def gptq_quantize(
         )
     if not 0 <= damp < 10 or block < 1:
         raise MethodError(f"GPTQ: damp={damp} must be in [0, 10) and block={block} at least 1")
-    if not bool(torch.isfinite(h).all()):
+    if not bool(torch.isfinite(h.sum(dtype=torch.float64))):  # inf/NaN propagate; float64 cannot overflow here
         raise MethodError("GPTQ: the Hessian holds inf/NaN; the calibration inputs are not finite")
     static = act_order if static_groups is None else static_groups
     if act_order and not static:
