@@ -88,6 +88,32 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
             assert out[k] == pytest.approx(info[k], rel=1e-5), k
 
 
+def test_the_written_pass_refines_the_chosen_run_alone():
+    """Once the whole layer's choice is made, a unit refines with the chosen momentum only: the same bits as
+    that run among every candidate (the unwritten pass), and no other run."""
+    layer = make_layer(seed=7, copies=(1, 6))
+    stats = make_stats(layer, n=96)
+    _, merge_groups, cfg = _pass("namex", {"ratio": 0.5})
+    acc = gather_summaries(layer, stats, cfg, None)
+    dec = fit_groups(acc, _shell(layer), stats, cfg)
+    dec.variants = nx.refine_variants
+    lo, hi = dec.units(8)[0]
+    bank = _cat([chunks.meta_bank(layer.experts, e, e + 1) for e in dec.members(lo, hi)])
+    unit = dec.plan.unit(lo, hi, bank)
+    merged, _ = merge_groups(unit, cfg, lo)
+    every, _ = nx.refine_variants(unit, merged, cfg, lo)
+    assert set(every) == {"complex", "real"} and every["complex"]
+    for name in every:
+        alone, _ = nx.refine_variants(unit, merged, cfg, lo, only=name)
+        assert list(alone) == [name] and alone[name].keys() == every[name].keys()
+        for g in every[name]:
+            assert all(torch.equal(alone[name][g][k], every[name][g][k]) for k in every[name][g])
+    dec.choice = "complex"
+    new, _ = run_unit(dec, lo, hi, bank, merge_groups, cfg)
+    want = unit.bank_of(every["complex"])
+    assert all(torch.equal(getattr(new, p).dense(), getattr(want, p).dense()) for p in PROJ)
+
+
 # -- through the engine: expert_chunk: N -------------------------------------------------------------------
 CAL = {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4}
 PROTECT = {"protect_super_experts": {"manual": [{"layer": 1, "experts": [2, 6]}]}}

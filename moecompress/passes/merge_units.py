@@ -75,8 +75,9 @@ class GroupDecision:
     info: dict
     shared: torch.Tensor | None
     variants: Callable | None = None
-    """``variants(unit, merged, cfg, first) -> ({name: merged}, report)``: candidates besides the merge
-    (``namex``'s refinements), chosen between on the whole layer's held-back error: then :attr:`sweeps` is 2"""
+    """``variants(unit, merged, cfg, first, only=None) -> ({name: merged}, report)``: candidates besides the
+    merge (``namex``'s refinements; ``only``: that one alone, the same bits), chosen between on the whole
+    layer's held-back error: then :attr:`sweeps` is 2"""
     choice: str | None = None
     refine_info: dict | None = None
     acc: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -165,9 +166,11 @@ def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_group
     unit = dec.plan.unit(lo, hi, bank)
     merged, extra = merge_groups(unit, cfg, lo)
     cands, report = {"unrefined": merged}, None
-    if dec.sweeps == 2:
+    if dec.sweeps == 2 and dec.choice is None:  # the unwritten pass: every candidate
         more, report = dec.variants(unit, merged, cfg, lo)
         cands.update(more)
+    elif dec.sweeps == 2 and dec.choice != "unrefined":  # the written pass: the chosen one alone
+        cands.update(dec.variants(unit, merged, cfg, lo, only=dec.choice)[0])
     x = unit.x_held
     ids, w = unit._routes["held"]
     lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)

@@ -194,13 +194,17 @@ def _zero(p: Params) -> Params:
     return {k: torch.zeros_like(v) for k, v in p.items()}
 
 
-def refine_variants(plan: MergePlan, merged: dict[int, Params], cfg: NamexConfig, first: int = 0):
+def refine_variants(
+    plan: MergePlan, merged: dict[int, Params], cfg: NamexConfig, first: int = 0, only: str | None = None
+):
     """Every merged expert of ``plan`` refined with complex and with real momentum (step 4):
     ``({"complex": ..., "real": ...}, {run: {group: [first loss, last loss]}})``; ``first``: the layer's
-    number of the plan's first group (a :meth:`MergePlan.unit`)."""
+    number of the plan's first group (a :meth:`MergePlan.unit`); ``only``: that run alone (the written pass
+    by units, once the whole layer's choice is made: the same bits, half the work and memory)."""
     bank = plan.layer.experts
     beta = cfg.momentum * cmath.exp(1j * math.radians(cfg.phase))
     runs = {"complex": beta, "real": complex(cfg.momentum)} if cfg.phase else {"complex": beta}
+    runs = {k: b for k, b in runs.items() if only is None or k == only}
     out: dict[str, dict[int, Params]] = {k: {} for k in runs}
     losses: dict[str, dict[str, list[float]]] = {k: {} for k in runs}
     for g, p in merged.items():
