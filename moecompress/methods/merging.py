@@ -372,9 +372,10 @@ def align_to(base: Params, member: Params) -> tuple[Params, int]:
 
 # ------------------------------------------------------------------------------- expert parameters
 def expert_params(bank: ExpertBank, e: int) -> Params:
-    """Float32 copies of the parameters of physical expert ``e`` of a dense bank."""
-    p = {name: getattr(bank, name).expert(e).float() for name in ("gate", "up", "down")}
-    p.update({f"bias.{k}": b[e].float() for k, b in bank.biases.items()})
+    """Float32 copies of the parameters of physical expert ``e`` of a dense bank (copies even of a float32
+    bank: :func:`sub_` may work on them in place)."""
+    p = {name: getattr(bank, name).expert(e).to(torch.float32, copy=True) for name in ("gate", "up", "down")}
+    p.update({f"bias.{k}": b[e].to(torch.float32, copy=True) for k, b in bank.biases.items()})
     return p
 
 
@@ -390,6 +391,13 @@ def combine(base: Params, deltas: list[Params], coeffs: Iterable[float]) -> Para
 
 def sub(a: Params, b: Params) -> Params:
     return {k: a[k] - b[k] for k in a}
+
+
+def sub_(a: Params, b: Params) -> Params:
+    """``a − b`` in ``a``'s tensors (the bits of :func:`sub`, no second copy of ``a``)."""
+    for k in a:
+        a[k].sub_(b[k])
+    return a
 
 
 def dot(a: Params, b: Params) -> float:

@@ -245,12 +245,19 @@ def merged_shape(layer: MoELayer, cfg: MergeOptions) -> MoELayer:
     )  # fmt: skip
 
 
+ALIGN = 5
+"""float32 experts' worth held while one member is aligned to its group's base: both experts' neuron
+features in float64 (2 each) and the member's permuted copy."""
+
+
 def merge_workspace(layer: MoELayer, cfg: MergeOptions, sets: int = 1, in_flight: int = 0) -> int:
     """Bytes a merging pass holds beyond its input and output layers (the dry run's ``workspace``), in
-    float32 copies of one expert (:func:`~moecompress.methods.merging.expert_params`): ``sets`` copies of
-    every merged group, held until the layer is built (at most ``m = min(t, E − t)`` of the ``t`` groups
-    have two or more members), plus one group being merged: its members, aligned, and their differences
-    from the base (``2c`` for a group of the mean size ``c = (E − t + m) / m``), and ``in_flight`` more.
+    float32 copies of one expert (:func:`~moecompress.methods.merging.expert_params`), the larger of two
+    phases (at most ``m = min(t, E − t)`` of the ``t`` groups have two or more members):
+    - merging a group: the merged groups so far (``m``), the group's members, aligned, their differences
+      from the base taken in place (``c`` for the mean group size ``c = (E − t + m) / m``) and one member's
+      alignment (:data:`ALIGN`);
+    - after the merges: ``sets`` copies of every merged group and ``in_flight`` more (a refinement).
     The grouping features come first and are freed before (``similarity: weight``: every expert once). A
     grouping with one large group holds up to ``E − t + 1`` members at once instead of ``c``."""
     bank, e = layer.experts, layer.router.num_experts
@@ -262,7 +269,7 @@ def merge_workspace(layer: MoELayer, cfg: MergeOptions, sets: int = 1, in_flight
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
     mean = -(-(e - t + m) // m)
     feats = e * expert if cfg.similarity == "weight" else 4 * e * AUTO_TOKENS * bank.hidden_size
-    return max(feats, expert * (sets * m + 2 * mean + in_flight))
+    return max(feats, expert * max(m + mean + ALIGN, sets * m + in_flight))
 
 
 

@@ -31,7 +31,7 @@ from pydantic import Field
 
 from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.methods.merging import Params, combine, sub
+from moecompress.methods.merging import Params, combine, sub_
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
@@ -78,7 +78,7 @@ def merge_groups(plan: MergePlan, cfg: MergeExpertsConfig, first: int = 0) -> tu
         params = plan.members(g)
         w = plan.weights(g) if cfg.method == "frequency" else [1 / len(params)] * len(params)
         w = [float(v) for v in w]
-        merged[g] = combine(params[0], [sub(p, params[0]) for p in params[1:]], w[1:])
+        merged[g] = combine(params[0], [sub_(p, params[0]) for p in params[1:]], w[1:])  # in place
         weights[str(first + g)] = w  # base first
     return merged, {"method": cfg.method, "weights": weights}
 

@@ -18,6 +18,7 @@ from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.metrics import relative_error
 from moecompress.methods.mixture import AUTO_TOKENS
 from moecompress.passes.expert_merging import (
+    ALIGN,
     PROJ,
     MergeOptions,
     MergePlan,
@@ -52,16 +53,17 @@ def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: d
 def group_workspace(layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0) -> int:
     """The dry run's workspace of a merging step by chunks of ``n`` experts (``Chunking.workspace``): the
     summaries gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit
-    tokens' outputs ``[E, 64, H]``), held to the end, and one unit of ``n`` members as
-    :func:`merge_workspace` counts a group (``sets`` copies of its at most ``⌈n/2⌉`` merged experts, the
-    members aligned and their differences, ``in_flight`` more). A group of more than ``n`` members is read
-    alone: it needs more (the step's report lists the groups)."""
+    tokens' outputs ``[E, 64, H]``), held to the end, and one unit of ``n`` members in the two phases of
+    :func:`merge_workspace` (at most ``⌈n/2⌉`` merged groups: the members and one alignment while merging,
+    ``sets`` copies and ``in_flight`` more after). A group of more than ``n`` members is read alone: it
+    needs more (the step's report lists the groups)."""
     bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
     expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
     sums = 4 * e * h * ((AUTO_TOKENS if cfg.similarity == "output_tokens" or cfg.target_experts == "auto" else 0)
                         + (1 if cfg.similarity == "output" else 0))  # fmt: skip
-    return sums + expert * (sets * -(-n // 2) + 2 * n + in_flight)
+    half = -(-n // 2)
+    return sums + expert * max(half + n + ALIGN, sets * half + in_flight)
 
 
 @dataclass

@@ -59,7 +59,7 @@ from pydantic import Field, field_validator
 from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub
+from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub_
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
@@ -152,7 +152,7 @@ def merge_groups(plan: MergePlan, cfg: NamexConfig, first: int = 0) -> tuple[dic
         if len(members) < 2:
             continue
         params = plan.members(g)
-        base, taus = params[0], [sub(m, params[0]) for m in params[1:]]
+        base, taus = params[0], [sub_(m, params[0]) for m in params[1:]]  # in place: one copy per member
         live = [i for i, t in enumerate(taus) if norm(t) > 0]
         gram = torch.tensor([[dot(taus[i], taus[j]) for j in live] for i in live], dtype=torch.float64)
         try:
