@@ -356,8 +356,8 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
         print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
                           "step_estimate_gib": round(max(v["bytes"] for v in report["dry_run"]["step_memory"].values()) / GiB, 2),
                           "run_estimate_gib": round(run_estimate(report["dry_run"]) / GiB, 2),
-                          "wall_s": round(m["wall_s"], 1), "read_gib": round(m["read"] / GiB, 2),
-                          "written_gib": round(written / GiB, 2),
+                          "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
+                          "read_gib": round(m["read"] / GiB, 2), "written_gib": round(written / GiB, 2),
                           "step_s_per_layer": round(sum(s["seconds"] for s in report["steps"]) / moe_layers, 1)}))  # fmt: skip
         subprocess.run(["rm", "-rf", str(out)], check=False)
 
