@@ -103,6 +103,25 @@ def test_auto_leaves_a_layer_whole_when_a_step_cannot_chunk(model, tmp_path):
     step = {"namex": {"ratio": 0.25, "similarity": "weight"}}
     whole = _plan(model, tmp_path, [step], "off")["step_memory"]["step 1 (namex)"]["bytes"]
     with pytest.raises(
-        RecipeError, match=r"namex\) needs every expert of the layer at once, so the layer is held whole"
+        RecipeError, match=r"held whole because step 1 \(namex\) groups by every expert's flattened weights at once "
+        r"\(similarity: weight\); use similarity: output_tokens"
     ):
         _plan(model, tmp_path, [step], "auto", memory_limit=whole - 1)
+
+
+def test_a_calibration_over_the_limit_names_the_step_that_holds_layers_whole():
+    """Under ``expert_chunk: auto``, when no layer could be chunked because a step refuses chunks, the
+    calibration refusal names that step and its own fix (codequant: ``shared: false``), not only a bigger
+    machine."""
+    from types import SimpleNamespace
+
+    from moecompress.engine.resources import _calibration_fix
+
+    why = "quantises the shared expert (shared: true), which ...; set shared: false to keep it dense"
+    plan = {"expert_chunk": {}, "step_memory": {"step 1 (codequant)": {"bytes": 1, "whole_because": "step 1 (codequant)",
+                                                                        "whole_why": why}}}  # fmt: skip
+    got = _calibration_fix(SimpleNamespace(expert_chunk="auto"), plan)
+    assert got.startswith("the layer is held whole because step 1 (codequant) quantises the shared expert")
+    assert "set shared: false" in got and got.endswith("more memory")
+    assert "held whole" not in _calibration_fix(SimpleNamespace(expert_chunk="auto"), {"expert_chunk": {}})
+    assert "smaller expert_chunk" in _calibration_fix(SimpleNamespace(expert_chunk="auto"), {"expert_chunk": {"1": 4}})

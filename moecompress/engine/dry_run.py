@@ -183,10 +183,10 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
             share = units.chunk_stats(stats, spilled, chunked[i], layer.experts.num_experts)
             for e, p in zip(entries, peaks):
                 e.update(bytes=p, chunk=chunked[i], stats_bytes=share)
-        blocked = next((s.label for s in recipe.steps if units.refusal(s, layer) is not None), None)
+        blocked = next(((s.label, why) for s in recipe.steps if (why := units.refusal(s, layer)) is not None), None)
         for step, e in zip(recipe.steps, entries):
-            if blocked is not None:
-                e["whole_because"] = blocked  # a step that cannot run by chunks holds the layer whole
+            if blocked is not None:  # a step that cannot run by chunks holds the layer whole: which, and why
+                e["whole_because"], e["whole_why"] = blocked
             if e["bytes"] > step_memory.get(step.label, {}).get("bytes", -1):
                 step_memory[step.label] = e
     if not c.data_free:

@@ -249,8 +249,17 @@ def check(
         )
 
 
+def _whole(w: dict) -> str:
+    """Why a layer is held whole (a step's ``step_memory`` entry with ``whole_because``), with that step's fix."""
+    why = w.get("whole_why") or "needs every expert of the layer at once"
+    return f"the layer is held whole because {w['whole_because']} {why}; or run it on a machine with more memory"
+
+
 def _calibration_fix(recipe: Recipe, plan: dict) -> str:
     sizes = sorted(set((plan.get("expert_chunk") or {}).values()))
+    blocked = [w for w in (plan.get("step_memory") or {}).values() if w.get("whole_because")]
+    if not sizes and blocked and recipe.expert_chunk == "auto":
+        return _whole(blocked[0])
     if sizes:
         return (f"set a smaller expert_chunk (the layers are held by chunks of {'/'.join(map(str, sizes))} experts), "
                 "or run it on a machine with more memory")  # fmt: skip
@@ -262,8 +271,7 @@ def _calibration_fix(recipe: Recipe, plan: dict) -> str:
 def _step_fix(recipe: Recipe, w: dict) -> str:
     """The fix for a step estimate over the limit (the dry run's ``step_memory`` entry ``w``)."""
     if w.get("whole_because"):
-        return (f"{w['whole_because']} needs every expert of the layer at once, so the layer is held whole: run it on a "
-                "machine with more memory")  # fmt: skip
+        return _whole(w)
     if w.get("chunk"):
         return ("even one expert per chunk does not fit: run it on a machine with more memory" if w["chunk"] == 1
                 else "use a smaller expert_chunk (or auto), or run it on a machine with more memory")  # fmt: skip
