@@ -130,8 +130,10 @@ def refusal(step, layer: MoELayer | None = None) -> str | None:
 
 def chunk_stats(stats: int, spilled: int, n: int, num_experts: int) -> int:
     """The statistics bytes a chunk of ``n`` experts holds: the layer's ``stats`` less the per-expert
-    covariances (``spilled``), plus their rows for the chunk twice (read, then joined)."""
-    return stats - spilled + 2 * -(-spilled * n // max(num_experts, 1))
+    covariances (``spilled``), plus their rows for the chunk (once: the second copy while the rows are
+    joined is the first step's loading phase, :func:`~moecompress.engine.resources.step_peak`; counted here
+    too it was counted three times, and gptq's estimate at 64 DeepSeek-V3 experts was 1.49x its peak)."""
+    return stats - spilled + -(-spilled * n // max(num_experts, 1))
 
 
 def chunk_peaks(
@@ -139,8 +141,8 @@ def chunk_peaks(
 ) -> list[int]:
     """Estimated peak bytes of every step on layer ``layer`` (``meta``) held by chunks of ``n`` experts.
     ``stats``: the layer's statistics bytes, of which ``spilled`` are per-expert covariances that a chunk
-    reads by rows (:class:`~moecompress.calibration.cache.ExpertRows`): a chunk holds its share twice
-    while the rows are joined."""
+    reads by rows (:class:`~moecompress.calibration.cache.ExpertRows`): a chunk holds its share, twice
+    while the rows are joined (:func:`chunk_stats`)."""
     stats = chunk_stats(stats, spilled, n, layer.experts.num_experts)
     sub = chunks.sub_layer(layer, chunks.meta_bank(layer.experts, 0, n), 0)
     rest = (layer.nbytes() - layer.experts.nbytes()) - (sub.nbytes() - sub.experts.nbytes())

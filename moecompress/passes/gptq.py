@@ -110,6 +110,17 @@ def _hessians(layer: MoELayer, stats: LayerStats, name: str) -> torch.Tensor:
     return h
 
 
+def _workspace(layer: MoELayer, cfg: GptqConfig) -> int:
+    """Beyond the layer and its statistics: float64 copies of the widest Hessian while its factor is made
+    (:func:`~moecompress.methods.gptq.inverse_hessian_factor`: the damped copy, its reversal, the Cholesky
+    factor and its inverse, 4·in²·8 bytes: 1.6 GB at DeepSeek-V3's 7168 inputs) and float32 copies of the
+    largest projection of one expert (the weights, the two dequantisations, the codes, the working
+    transpose: 5·out·in·4)."""
+    shapes = [getattr(layer.experts, p).shape for p in PROJ]
+    inn, big = max(s[2] for s in shapes), max(s[1] * s[2] for s in shapes)
+    return 4 * inn * inn * 8 + 5 * big * 4
+
+
 def gptq(layer: MoELayer, stats: LayerStats, cfg: GptqConfig) -> tuple[MoELayer, dict]:
     """GPTQ of every routed expert with its own input Hessian (per group of input channels)."""
     check_gptq(layer, cfg)
@@ -227,7 +238,7 @@ SPEC = PassSpec(
     gptq,
     needs={"expert_in_cov", "down_in_cov"},
     emits=lambda layer, cfg: _emits(layer, cfg),
-    check=check_gptq,
+    check=check_gptq, workspace=_workspace,
     summarize=lambda infos, cfg: summarize_gptq(infos, cfg), alters=frozenset({"weights"}),
     chunking=Chunking("expert", merge=merge_gptq),  # per expert: its own Hessians, the layer by chunks
 )
