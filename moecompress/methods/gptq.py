@@ -95,7 +95,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     upper triangular with ``H = R Rᵀ``, so ``H⁻¹ = R⁻ᵀ R⁻¹`` and ``U = R⁻¹ = J C⁻¹ J`` (upper, positive
     diagonal: the Cholesky factor). One Cholesky and one triangular inverse, ``n³/3`` multiply-adds against
     the ``2n³/3`` of Cholesky, inverse, Cholesky (6.2 against 9.5 CPU s at 7168 channels)."""
-    h = h.double().clone()
+    h = h.to(torch.float64, copy=True)  # one copy, whatever the input dtype
     diag = torch.diagonal(h)
     dead = diag <= 0
     if bool(dead.any()):
