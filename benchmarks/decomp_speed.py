@@ -17,9 +17,11 @@ Pieces (``--pieces``; each run adds its keys to ``--out``):
   of a 7168 covariance with clamped eigenvalues and of one without (now: no eigendecomposition).
 - ``svd``: ``factorize`` of one expert per projection shape (gate == up), ``ratio 0.4``, 64 experts'
   ranks; the reconstruction ``u·v`` compared in float64 (the inputs are bf16 values held in float64).
-- ``gather``: ``tdmoe.gather`` on a chunk of one expert (all three projections).
-- ``fit``: ``tdmoe.fit`` once (ranks of 64 experts), then ``project`` on a chunk of one expert, the cores
+- ``gather``: ``tdmoe_chunks.gather`` on a chunk of one expert (all three projections).
+- ``fit``: ``tdmoe_chunks.fit`` once (ranks of 64 experts), then ``project`` on a chunk of one expert, the cores
   and stored factors compared.
+- ``precision``: tdmoe by chunks with float64 work (the old default for every dtype) against float32 (bf16
+  weights, ``work_dtype``), the same values: gather, fit, project and the reconstructions compared.
 
     OMP_NUM_THREADS=1 python benchmarks/decomp_speed.py --pieces svd gather
 """
@@ -38,8 +40,9 @@ from moecompress.ir import ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.tucker import Tucker
 from moecompress.methods.svd import factorize, rank_split, whitened_svd
+from moecompress.methods.tucker import work_dtype
 from moecompress.methods.whitening import Whitener, chol, projection_whiteners
-from moecompress.passes import tdmoe as td
+from moecompress.passes import tdmoe_chunks as td
 
 HID, WID, M = 7168, 2048, 64
 OUT = Path(__file__).parent / "results" / "decomp_speed.json"
@@ -154,12 +157,13 @@ def piece_svd(data, whs, reps: int) -> dict:
     return res
 
 
-def _acc(whs, members: int = 0) -> td.Grams:
+def _acc(whs, members: int = 0, dtype: torch.dtype = torch.float64) -> td.Grams:
     acc = td.Grams(dict(whs), {}, {}, members)
     for proj, (o, i) in {"gate": (WID, HID), "up": (WID, HID), "down": (HID, WID)}.items():
-        acc.g_out[proj] = torch.zeros(o, o, dtype=torch.float64)
-        acc.g_in[proj] = torch.zeros(i, i, dtype=torch.float64)
+        acc.g_out[proj] = torch.zeros(o, o, dtype=dtype)
+        acc.g_in[proj] = torch.zeros(i, i, dtype=dtype)
         acc.energy[proj] = []
+        acc.work[proj] = whs[proj].to(dtype=dtype)
     return acc
 
 
@@ -194,11 +198,55 @@ def piece_fit_project(data, whs, reps: int) -> dict:
     return {"fit_once_per_layer_s": t_fit, "project": {**_best(rows), **diffs}}
 
 
+def piece_precision(data, whs, reps: int, gathered: int) -> dict:
+    """tdmoe by chunks in float64 (the weights' bf16 values held as float32: ``work_dtype`` float64, what
+    every dtype used before) against float32 (bf16 weights), the same values, interleaved: ``gather`` of
+    ``gathered`` experts (per expert), ``fit`` (once; ranks of 64 experts), ``project`` of one expert; the
+    stored factors and the expert's reconstruction compared (relative to bf16's eps)."""
+    cfg, out, eps = td.TdmoeConfig(), {}, torch.finfo(torch.bfloat16).eps
+    g = torch.Generator().manual_seed(1)
+    w = {p: torch.cat([data["w"][p][:1], (0.02 * torch.randn(gathered - 1, *data["w"][p].shape[1:], generator=g))
+                       .bfloat16()]) for p in td.PROJ}  # fmt: skip
+    subs = {torch.float64: _layer({p: w[p].float() for p in td.PROJ}), torch.float32: _layer(w)}
+    assert all(work_dtype(s.experts.gate.dtype) == dt for dt, s in subs.items())
+    timing: dict[str, list[dict]] = {"gather": [], "project": []}
+    pres, news = {}, {}
+    for rep in range(reps):
+        row_g, row_p = {}, {}
+        for dt, sub in subs.items():
+            key = str(dt).removeprefix("torch.")
+            t, acc = _timed(td.gather, sub, LayerStats(0), cfg, _acc(whs, 0, dt))
+            row_g[key + "_per_expert_s"] = t / gathered
+            if rep == 0:
+                acc.members = M
+                t_fit, pres[dt] = _timed(td.fit, acc, sub, LayerStats(0), cfg)
+                out[key + "_fit_once_per_layer_s"] = t_fit
+            del acc
+            one = _layer({p: getattr(sub.experts, p).dense()[:1] for p in td.PROJ})
+            t, news[dt] = _timed(td.project, one, pres[dt].chunk(0, 1))
+            row_p[key + "_s"] = t
+        timing["gather"].append(row_g)
+        timing["project"].append(row_p)
+    out["gather"], out["project"] = _best(timing["gather"]), _best(timing["project"])
+    (a, ia), (b, ib) = news[torch.float64], news[torch.float32]
+    for p in td.PROJ:
+        x, y = getattr(a.experts, p).expert(0).double(), getattr(b.experts, p).expert(0).double()
+        out[p] = {"recon_rel_diff_over_bf16_eps": float((x - y).norm() / x.norm()) / eps,
+                  "whitened_rel_error": [ia[p]["whitened_rel_error"], ib[p]["whitened_rel_error"]],
+                  "ranks": ia[p]["ranks"]}  # fmt: skip
+    f64, f32 = (out["gather"]["float64_per_expert_s"] + out["project"]["float64_s"],
+                out["gather"]["float32_per_expert_s"] + out["project"]["float32_s"])
+    out["layer_of_64_experts_s"] = {"float64": M * f64 + out["float64_fit_once_per_layer_s"],
+                                    "float32": M * f32 + out["float32_fit_once_per_layer_s"]}  # fmt: skip
+    return out
+
+
 def main() -> None:
     global HID, WID
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pieces", nargs="+", default=["svd", "gather"],
-                    choices=["whiteners", "svd", "gather", "fit"])  # fmt: skip
+                    choices=["whiteners", "svd", "gather", "fit", "precision"])  # fmt: skip
+    ap.add_argument("--gathered", type=int, default=8, help="precision: experts in the Gram sweep")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--shape", type=int, nargs=2, default=[HID, WID], help="hidden, width (smoke runs)")
@@ -223,6 +271,8 @@ def main() -> None:
             res[piece] = piece_svd(data, whs, args.repeat)
         elif piece == "gather":
             res[piece] = piece_gather(data, whs, args.repeat)
+        elif piece == "precision":
+            res[piece] = piece_precision(data, whs, args.repeat, args.gathered)
         else:
             res[piece] = piece_fit_project(data, whs, args.repeat)
         print(json.dumps(res[piece], indent=1), flush=True)

@@ -181,7 +181,8 @@ def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
     from moecompress.engine.chunks import sub_layer, take
     from moecompress.engine.spec import LayerStats
     from moecompress.methods.whitening import projection_whiteners
-    from moecompress.passes.tdmoe import TdmoeConfig, fit, gather, merge_tdmoe, project, tdmoe
+    from moecompress.passes.tdmoe import tdmoe
+    from moecompress.passes.tdmoe_chunks import TdmoeConfig, fit, gather, merge_tdmoe, project
 
     layer = _layer(5)
     g = torch.Generator().manual_seed(6)
@@ -207,3 +208,45 @@ def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
         assert info[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
         assert merged[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
     assert len(pre.energy["gate"]) == E and len(pre.chunk(2, 3).energy["gate"]) == 1
+
+
+def test_chunks_of_a_16_bit_layer_work_in_float32_within_its_rounding():
+    """bf16 weights: the chunked Grams, eigendecompositions and cores are float32 (``work_dtype``), and every
+    expert's reconstruction is the whole layer's (float64, tensorly) within ``8·eps(bf16)·‖Ŵ_e‖``; the
+    whitened errors agree to 1e-5. float32 weights stay float64."""
+    from moecompress.engine.chunks import sub_layer, take
+    from moecompress.engine.spec import LayerStats
+    from moecompress.methods.tucker import work_dtype
+    from moecompress.passes.tdmoe import tdmoe
+    from moecompress.passes.tdmoe_chunks import TdmoeConfig, fit, gather, merge_tdmoe, project
+
+    assert work_dtype(torch.float32) == torch.float64 and work_dtype(torch.float16) == torch.float32
+    base = _layer(7)
+    bank = base.experts
+    layer = base.replace(experts=ExpertBank(*(Dense(getattr(bank, p).dense().bfloat16()) for p in ("gate", "up", "down"))))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(80, H, generator=g, dtype=torch.float64) * torch.logspace(1, -1, H, dtype=torch.float64)
+    h = torch.randn(80, W, generator=g, dtype=torch.float64)
+    st = LayerStats(0, {"input_cov": x.T @ x / 80, "down_in_cov_pooled": h.T @ h / 80})
+    cfg = TdmoeConfig(ratio=0.4)
+    whole, info = tdmoe(layer, st, cfg)
+    acc, bnds = None, [(0, 2), (2, 5), (5, E)]
+    subs = [sub_layer(layer, take(layer.experts, list(range(a, b))), a) for a, b in bnds]
+    for sub in subs:
+        acc = gather(sub, st, cfg, acc)
+    assert {g.dtype for g in (*acc.g_out.values(), *acc.g_in.values())} == {torch.float32}
+    pre = fit(acc, layer, st, cfg)
+    assert {t.dtype for pq in pre.inner.values() for t in pq} == {torch.float32}
+    parts = [project(sub, pre.chunk(a, b)) for sub, (a, b) in zip(subs, bnds)]
+    merged = merge_tdmoe([i for _, i in parts], bnds, cfg)
+    eps = torch.finfo(torch.bfloat16).eps
+    for proj in ("gate", "up", "down"):
+        want = getattr(whole.experts, proj)
+        assert want.dtype == torch.bfloat16
+        for (lay, _), (a, b) in zip(parts, bnds):
+            got = getattr(lay.experts, proj)
+            assert got.dtype == torch.bfloat16
+            for e in range(a, b):
+                x_w, x_c = want.expert(e).double(), got.expert(e - a).double()
+                assert (x_w - x_c).norm() <= 8 * eps * x_w.norm(), (proj, e)
+        assert merged[proj]["whitened_rel_error"] == pytest.approx(info[proj]["whitened_rel_error"], abs=1e-5)

@@ -11,7 +11,7 @@ import torch
 
 from moecompress.errors import MethodError
 from moecompress.extras import require
-from moecompress.methods.whitening import Whitener, gram_lower, lower_to_symmetric
+from moecompress.methods.whitening import Whitener, gram_lower
 
 
 def tucker_ranks(
@@ -78,13 +78,12 @@ def decompose(w: torch.Tensor, wh: Whitener, r1: int, r2: int, r3: int, method: 
 
 def gram_factor(gram: torch.Tensor, r: int) -> torch.Tensor:
     """The leading ``r`` eigenvectors ``[d, r]`` (largest eigenvalue first) of a mode Gram matrix
-    ``Σ_e X_e X_eᵀ`` ``[d, d]`` (float64): the HOSVD factor of that mode, the left singular vectors of the
-    mode unfolding, which tensorly's :func:`decompose` takes; signed as tensorly signs them (``svd_flip``:
-    each column's entry of largest magnitude positive, the first such entry on ties), so that both give the
-    same factor up to rounding where the eigenvalues at the cut are apart (the reconstruction depends only
-    on the subspace)."""
-    g = gram.double()
-    _, q = torch.linalg.eigh((g + g.T) / 2)
+    ``Σ_e X_e X_eᵀ`` ``[d, d]`` (only its lower triangle is read; computed in its dtype): the HOSVD factor
+    of that mode, the left singular vectors of the mode unfolding, which tensorly's :func:`decompose`
+    takes; signed as tensorly signs them (``svd_flip``: each column's entry of largest magnitude positive,
+    the first such entry on ties), so that both give the same factor up to rounding where the eigenvalues
+    at the cut are apart (the reconstruction depends only on the subspace)."""
+    _, q = torch.linalg.eigh(gram)
     u = q[:, -r:].flip(-1) if r > 0 else q[:, :0]
     top = u.abs().argmax(0)
     sign = torch.sign(u[top, torch.arange(u.shape[1])])
@@ -92,28 +91,40 @@ def gram_factor(gram: torch.Tensor, r: int) -> torch.Tensor:
 
 
 # -- by chunks of experts (``tdmoe``'s gather / fit / project) ----------------------------------------------
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the chunked decomposition's products, Grams and eigendecompositions for weights stored
+    in ``dtype``: float32 for weights of 16 bits or fewer (bf16, fp16, fp8: float32's rounding, 6e-8, is
+    five decades below bf16's, 3.9e-3, and its products and ``eigh`` take half the time or less), float64
+    otherwise (float32 weights: the whole layer's float64 to rounding). The whitening transforms are made
+    in float64 either way, and the stored factors are un-whitened in float64."""
+    return torch.float32 if dtype.itemsize <= 2 else torch.float64
+
+
 def add_grams(x: torch.Tensor, g_out: torch.Tensor, g_in: torch.Tensor) -> float:
     """One whitened expert ``x`` ``[out, in]`` added to the lower triangles of the mode Grams ``g_out +=
-    x xᵀ``, ``g_in += xᵀ x`` (:func:`~moecompress.methods.whitening.gram_lower`); returns ``‖x‖²``."""
+    x xᵀ``, ``g_in += xᵀ x`` (:func:`~moecompress.methods.whitening.gram_lower`, in the Grams' dtype);
+    returns ``‖x‖²`` (summed in float64)."""
     gram_lower(x, g_out)
     gram_lower(x.T, g_in)
-    return float(x.pow(2).sum())
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
 
 
 def gram_factors(g_out: torch.Tensor, g_in: torch.Tensor, r2: int, r3: int, wh: Whitener, dtype: torch.dtype):
     """From the lower triangles of the summed mode Grams, the whitened HOSVD factors ``U_out``, ``U_in``
-    (:func:`gram_factor`) as ``(outer, inner)``: ``outer = (A⁻¹U_out, B⁻ᵀU_in)`` in ``dtype`` (the stored
-    factors) and ``inner = (AᵀU_out, B U_in)`` in float64, with which an expert's core is
-    ``U_outᵀ (A W B) U_in = innerₒᵀ W innerᵢ`` (:func:`sandwich`) without whitening it."""
-    u_w = gram_factor(lower_to_symmetric(g_out), r2)
-    v_w = gram_factor(lower_to_symmetric(g_in), r3)
+    (:func:`gram_factor`, in the Grams' dtype) as ``(outer, inner)``: ``outer = (A⁻¹U_out, B⁻ᵀU_in)`` in
+    ``dtype`` (the stored factors, un-whitened in float64) and ``inner = (AᵀU_out, B U_in)`` in the Grams'
+    dtype, with which an expert's core is ``U_outᵀ (A W B) U_in = innerₒᵀ W innerᵢ`` (:func:`sandwich`)
+    without whitening it."""
+    u_w = gram_factor(g_out, r2)
+    v_w = gram_factor(g_in, r3)
     outer = (wh.unwhiten_out(u_w).to(dtype), wh.unwhiten_in(v_w).to(dtype))
-    return outer, (wh.transpose_out(u_w), wh.right_mul(v_w))
+    return outer, (wh.transpose_out(u_w).to(g_out.dtype), wh.right_mul(v_w).to(g_in.dtype))
 
 
 def sandwich(p: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``pᵀ w q`` (float64) in the cheaper order of the two products."""
+    """``pᵀ w q`` (in the dtype of ``p`` and ``q``) in the cheaper order of the two products."""
     (out, inp), r2, r3 = w.shape, p.shape[1], q.shape[1]
+    w = w.to(p.dtype)
     if r2 * inp * (out + r3) <= out * r3 * (inp + r2):
         return (p.T @ w) @ q
     return p.T @ (w @ q)

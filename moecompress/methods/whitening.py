@@ -95,21 +95,13 @@ def tri_matmul(t: torch.Tensor, x: torch.Tensor, kind: str | None, left: bool, b
 def gram_lower(z: torch.Tensor, out: torch.Tensor | None = None, block: int = TRI_BLOCK) -> torch.Tensor:
     """``z zᵀ`` for ``z`` ``[d, k]`` added to ``out`` (``[d, d]``, zeros if ``None``), by blocks of
     ``block`` rows: only the blocks on and below the diagonal (``(d/b + 1) / (2d/b)`` of the work); the
-    rest of ``out`` is left as it was. :func:`lower_to_symmetric` makes the whole matrix; ``eigh``
-    reads only the lower triangle."""
+    rest of ``out`` is left as it was (``torch.linalg.eigh`` reads only the lower triangle)."""
     d = z.shape[0]
     out = z.new_zeros(d, d) if out is None else out
     for a in range(0, d, block):
         b = min(a + block, d)
         out[a:b, :b].addmm_(z[a:b], z[:b].T)
     return out
-
-
-def lower_to_symmetric(g: torch.Tensor) -> torch.Tensor:
-    """``g`` made, in place, the symmetric matrix whose lower triangle is ``g``'s."""
-    g.tril_()
-    g += g.tril(-1).T
-    return g
 
 
 @dataclass(frozen=True)
@@ -127,25 +119,33 @@ class Whitener:
         object.__setattr__(self, "left_kind", triangle(self.left))
         object.__setattr__(self, "right_kind", triangle(self.right))
 
-    def to(self, device: torch.device) -> Whitener:
-        """This whitener with its transforms on ``device`` (itself when they are there)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        """The transforms' dtype (float64 as made; :meth:`to` casts), in which :meth:`whiten` computes."""
+        t = self.left if self.left is not None else self.right
+        return torch.float64 if t is None else t.dtype
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Whitener:
+        """This whitener with its transforms on ``device`` and in ``dtype`` (``None``: unchanged; itself
+        when nothing changes)."""
         ts = [t for t in (self.left, self.right) if t is not None]
-        if all(t.device == torch.device(device) for t in ts):
+        dev = None if device is None else torch.device(device)
+        if all((dev is None or t.device == dev) and (dtype is None or t.dtype == dtype) for t in ts):
             return self
-        return Whitener(*(None if t is None else t.to(device) for t in (self.left, self.right)))
+        return Whitener(*(None if t is None else t.to(dev, dtype) for t in (self.left, self.right)))
 
     def whiten_out(self, w: torch.Tensor) -> torch.Tensor:
-        """``A · w`` for ``w`` ``[..., out, k]`` (float64)."""
-        w = w.double()
+        """``A · w`` for ``w`` ``[..., out, k]`` (in :attr:`dtype`)."""
+        w = w.to(self.dtype)
         return w if self.left is None else tri_matmul(self.left, w, self.left_kind, left=True)
 
     def whiten_in(self, w: torch.Tensor) -> torch.Tensor:
-        """``w · B`` for ``w`` ``[..., k, in]`` (float64)."""
-        w = w.double()
+        """``w · B`` for ``w`` ``[..., k, in]`` (in :attr:`dtype`)."""
+        w = w.to(self.dtype)
         return w if self.right is None else tri_matmul(self.right, w, self.right_kind, left=False)
 
     def whiten(self, w: torch.Tensor) -> torch.Tensor:
-        """``A · w · B`` for ``w`` ``[..., out, in]`` (float64)."""
+        """``A · w · B`` for ``w`` ``[..., out, in]`` (in :attr:`dtype`: float64 as made)."""
         return self.whiten_in(self.whiten_out(w))
 
     def unwhiten_out(self, u: torch.Tensor) -> torch.Tensor:

@@ -39,56 +39,35 @@ Example steps::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
+from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.layouts.dense import Dense
-from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
 from moecompress.methods.structure import allocate, mode_bases, tucker_residual
-from moecompress.methods.tucker import (
-    add_grams,
-    decompose,
-    decompose_workspace,
-    gram_factors,
-    sandwich,
-    tucker_ranks,
-)
+from moecompress.methods.tucker import decompose, decompose_workspace, tucker_ranks
 from moecompress.methods.whitening import ALL_NEEDS, Whitener, projection_whiteners, whitening_needs
 from moecompress.passes.neuron_pruning import one_width_members
-from moecompress.reference import moe_forward
-
-PROJ = ("gate", "up", "down")
-
-
-class TdmoeConfig(PassConfig):
-    ratio: float = Field(
-        0.4, gt=0, lt=1, description="fraction of the decomposed experts' parameters removed"
-    )
-    whitening: Literal["input", "output", "both", "none"] = Field("input", description="data-aware whitening")
-    input_form: Literal["chol", "inverse"] = Field("chol", description="input whitening factor")
-    method: Literal["hosvd", "hooi"] = Field("hosvd", description="Tucker algorithm (tensorly)")
-    r1: int | None = Field(None, ge=1, description="expert-mode rank (default: not truncated)")
-    budget: Literal["uniform", "adaptive", "from_structure"] = Field(
-        "uniform", description="same ratio per layer, by sensitivity, or per projection by expert structure"
-    )
-
-
-def _check_dense(layer: MoELayer) -> None:
-    for lay in (layer.experts.gate, layer.experts.up, layer.experts.down):
-        if not isinstance(lay, (Dense, Ragged)):
-            raise PassError(f"tdmoe needs dense experts, got a {lay.kind!r} layout; decompose before it")
+from moecompress.passes.tdmoe_chunks import (
+    PROJ,
+    Factors,
+    TdmoeConfig,
+    check_dense,
+    chunk_workspace,
+    fit,
+    gather,
+    live_stats,
+    merge_tdmoe,
+    project,
+    refuse_chunks,
+    refuse_layer,
+)
 
 
 def _check(layer: MoELayer, cfg: TdmoeConfig) -> None:
     bank = layer.experts
-    _check_dense(layer)
+    check_dense(layer)
     if cfg.r1 is not None and cfg.r1 > bank.num_experts:
         raise PassError(f"r1={cfg.r1} exceeds the {bank.num_experts} experts")
     e, i, h = bank.gate.shape
@@ -203,7 +182,7 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     if not members:
         return layer, {"skipped": "every expert is protected"}
     ratio = cfg.ratio if stats.plan is None else float(stats.plan)
-    whiteners = projection_whiteners(_live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
+    whiteners = projection_whiteners(live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
     ratios = {p: ratio for p in PROJ}
     info: dict = {}
     if cfg.budget == "from_structure":
@@ -221,44 +200,6 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     new = ExpertBank(lays["gate"], lays["up"], lays["down"], biases=bank.biases, act=bank.act,
                      alpha=bank.alpha, limit=bank.limit)  # fmt: skip
     return layer.replace(experts=new), info
-
-
-class _DownInputCov:
-    """Observer: E[h hᵀ] of the down-projection input over routed (token, expert) pairs."""
-
-    def __init__(self, width: int) -> None:
-        self.sum, self.n = torch.zeros(width, width, dtype=torch.float64), 0
-
-    def on_route(self, logits, ids, weights) -> None: ...
-
-    def on_shared(self, h, y) -> None: ...
-
-    def on_expert(self, e, tok, slot, h, y) -> None:
-        hd = h.detach().double()
-        self.sum += hd.T @ hd
-        self.n += hd.shape[0]
-
-
-def _live_stats(layer: MoELayer, stats: LayerStats, live: int, cfg: TdmoeConfig) -> LayerStats:
-    """The layer's statistics; for a neuron-pruned bank (ragged, or narrower than at calibration), the
-    down-input covariance is recomputed on the
-    calibration sample through the pruned layer (the calibration statistics index the original neurons,
-    which pruning selected per expert), cut to the live width."""
-    width_stats = [stats[n] for n in ("down_in_cov_pooled", "down_in_grad_cov_pooled") if n in stats]
-    if layer.experts.widths is None and all(t.shape[0] == layer.experts.width for t in width_stats):
-        return stats
-    if cfg.whitening in ("output", "both"):
-        raise PassError(
-            "output whitening needs gradient statistics of the pruned neurons, which calibration (run on the "
-            "input model) does not have; use whitening: input after neuron pruning"
-        )
-    if cfg.whitening == "none":
-        return stats
-    obs = _DownInputCov(layer.experts.width)
-    with torch.no_grad():
-        moe_forward(layer, stats["io_sample_x"].to(layer.experts.gate.dtype), obs)
-    cov = (obs.sum / max(obs.n, 1))[:live, :live]
-    return LayerStats(stats.index, {**stats.tensors, "down_in_cov_pooled": cov})
 
 
 def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
@@ -279,197 +220,6 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
         },
         "warnings": [],
     }
-
-
-# -- by chunks of experts (engine/chunks.py, Chunking.gather / fit) ----------------------------------------
-# HOSVD with the expert mode kept (r1 = M) needs of every expert only the whitened mode Gram matrices: the
-# factors U_out, U_in are the leading eigenvectors of G_out = Σ_e X_e X_eᵀ and G_in = Σ_e X_eᵀ X_e
-# (X_e = A·W_e·B), the left singular vectors of the mode unfoldings that tensorly computes, and the
-# per-expert cores C_e = U_outᵀ X_e U_in depend on expert e alone. A layer held by chunks is swept twice:
-# the Grams summed over every chunk (``gather``), the factors fitted once (``fit``), then each chunk
-# projected onto them (``project``, the step's run on the chunk). The cores need no whitened copy of an
-# expert: C_e = U_outᵀ (A W_e B) U_in = (Aᵀ U_out)ᵀ W_e (B U_in), both outer factors made once by ``fit``;
-# the whitened errors ‖X_e − U_out C_e U_inᵀ‖² = ‖X_e‖² − ‖C_e‖² (orthonormal factors), with ‖X_e‖²
-# noted by ``gather``. Like the whole layer's (``_factorise``), they are the float64 decomposition's
-# errors, before the factors are stored in the weights' dtype.
-
-
-@dataclass
-class Grams:
-    """The first sweep's fold: the whiteners (the layer's pooled statistics, made at the first chunk), per
-    projection the lower triangles of ``G_out`` ``[out, out]`` and ``G_in`` ``[in, in]`` (float64,
-    :func:`~moecompress.methods.whitening.gram_lower`) and per expert of the step's input, in order,
-    ``‖X_e‖²`` (0 for a protected one); the decomposed experts seen."""
-
-    whiteners: dict[str, Whitener]
-    g_out: dict[str, torch.Tensor]
-    g_in: dict[str, torch.Tensor]
-    members: int = 0
-    energy: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass
-class Factors:
-    """What every chunk of a layer reads (``stats.prelude``): the whiteners, the layer's ratio, its decomposed
-    experts ``members`` (``M``, 0: every expert protected, the layer is left as it is), per projection the
-    ranks ``(M, r2, r3)``, the stored factors ``outer`` (``A⁻¹U_out``, ``B⁻ᵀU_in``, in the weights' dtype),
-    the factors that give the cores from the un-whitened experts ``inner`` (``AᵀU_out``, ``B U_in``,
-    float64) and ``energy``: ``‖X_e‖²`` per expert of the step's input (``chunk(a, b)``: the chunk's)."""
-
-    whiteners: dict[str, Whitener]
-    ratio: float
-    members: int
-    ranks: dict[str, tuple[int, int, int]]
-    outer: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    inner: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    energy: dict[str, torch.Tensor]
-
-    def chunk(self, a: int, b: int) -> Factors:
-        return replace(self, energy={p: v[a:b] for p, v in self.energy.items()})
-
-
-def _expert(full: torch.Tensor, proj: str, e: int, live: int) -> torch.Tensor:
-    return full[e, :live] if proj != "down" else full[e, :, :live]
-
-
-def gather(sub: MoELayer, stats: LayerStats, cfg: TdmoeConfig, acc: Grams | None) -> Grams:
-    """A chunk's whitened experts added to the layer's mode Grams, one expert at a time."""
-    _check_dense(sub)
-    if sub.experts.widths is not None:
-        raise PassError("a neuron-pruned bank's down-input covariance follows the whole layer's routing; "
-                        "use expert_chunk: off or calibration.recalibrate: auto")  # fmt: skip
-    members, _, live = one_width_members(sub, "tdmoe", "decomposed")
-    if acc is None:
-        whiteners = projection_whiteners(_live_stats(sub, stats, live, cfg), cfg.whitening, cfg.input_form)
-        acc = Grams(whiteners, {}, {})
-        for proj in PROJ:
-            _, out, inp = getattr(sub.experts, proj).shape
-            out, inp = (live, inp) if proj != "down" else (out, live)
-            acc.g_out[proj] = torch.zeros(out, out, dtype=torch.float64)
-            acc.g_in[proj] = torch.zeros(inp, inp, dtype=torch.float64)
-            acc.energy[proj] = []
-    for proj in PROJ:
-        full, wh = getattr(sub.experts, proj).dense(), acc.whiteners[proj]
-        g_out, g_in = acc.g_out[proj], acc.g_in[proj]
-        energy = [0.0] * sub.experts.num_experts
-        for e in members:
-            energy[e] = add_grams(wh.whiten(_expert(full, proj, e, live)).to(g_out.device), g_out, g_in)
-        acc.energy[proj] += energy
-    acc.members += len(members)
-    return acc
-
-
-def fit(acc: Grams | None, shell: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> Factors:
-    """The layer's factors from its Grams, once: ranks ``(r2, r3)`` for ``M`` experts at the layer's ratio
-    (``budget: adaptive``: the plan's), the leading eigenvectors (:func:`gram_factor`)."""
-    ratio = cfg.ratio if stats.plan is None else float(stats.plan)
-    if acc is None or acc.members == 0:
-        return Factors({}, ratio, 0, {}, {}, {}, {})
-    ranks, outer, inner = {}, {}, {}
-    for proj in PROJ:  # each Gram released once used
-        g_out, g_in = acc.g_out.pop(proj), acc.g_in.pop(proj)
-        ranks[proj] = tucker_ranks(acc.members, g_out.shape[0], g_in.shape[0], ratio, None)[:3]
-        outer[proj], inner[proj] = gram_factors(
-            g_out, g_in, *ranks[proj][1:], acc.whiteners[proj], getattr(shell.experts, proj).dtype
-        )
-        del g_out, g_in
-    energy = {p: torch.tensor(v, dtype=torch.float64) for p, v in acc.energy.items()}
-    return Factors(acc.whiteners, ratio, acc.members, ranks, outer, inner, energy)
-
-
-def project(layer: MoELayer, pre: Factors) -> tuple[MoELayer, dict]:
-    """A chunk's experts on the layer's factors: ``C_e = U_outᵀ X_e U_in`` per decomposed expert, the
-    protected ones exact, the factors un-whitened as the whole layer's (:func:`_factorise`). The info holds
-    the chunk's squared whitened errors (``sq``) and the factors' parameters once (``factor_params``), which
-    :func:`merge_tdmoe` needs."""
-    _check_dense(layer)
-    if pre.members == 0:
-        return layer, {"skipped": "every expert is protected"}
-    bank = layer.experts
-    members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
-    lays, info, shared = {}, {}, 0
-    for proj in PROJ:
-        lay = getattr(bank, proj)
-        full, dt = lay.dense(), lay.dtype
-        (u_out, u_in), (p, q), energy = pre.outer[proj], pre.inner[proj], pre.energy[proj]
-        r1, r2, r3 = pre.ranks[proj]
-        cores = torch.zeros(len(members), r2, r3, dtype=torch.float64)
-        err = ref = 0.0
-        for i, e in enumerate(members):
-            cores[i] = sandwich(p, _expert(full, proj, e, live).double(), q)
-            ref += float(energy[e])
-            err += max(float(energy[e]) - float(cores[i].pow(2).sum()), 0.0)
-        pad = lay.shape[1] - u_out.shape[0] if proj != "down" else lay.shape[2] - u_in.shape[0]
-        if proj != "down":
-            u_out = torch.cat([u_out, u_out.new_zeros(pad, r2)])
-        else:
-            u_in = torch.cat([u_in, u_in.new_zeros(pad, r3)])
-        index = torch.full((lay.shape[0],), -1, dtype=torch.int64)
-        index[members] = torch.arange(len(members))
-        dense = full[dense_ids].to(dt) if dense_ids else None
-        new = Tucker(u_out.to(dt), u_in.to(dt), cores.to(dt), index, dense, None)
-        rel = (err / ref) ** 0.5 if ref > 0 else 0.0
-        info[proj] = {"ranks": [r1, r2, r3], "whitened_rel_error": round(rel, 6), "sq": [err, ref]}
-        lays[proj] = new
-        shared += new.u_out.numel() + new.u_in.numel()
-    before = sum(getattr(bank, p).num_params() for p in PROJ)
-    after = sum(lays[p].num_params() for p in PROJ)
-    dense_params = len(dense_ids) * 3 * bank.width * bank.hidden_size
-    info.update(ratio=pre.ratio, params_before=before, params_after=after, members=len(members),
-                dense_experts=dense_ids, dense_params=dense_params, factor_params=shared)  # fmt: skip
-    new_bank = ExpertBank(lays["gate"], lays["up"], lays["down"], biases=bank.biases, act=bank.act,
-                          alpha=bank.alpha, limit=bank.limit)  # fmt: skip
-    return layer.replace(experts=new_bank), info
-
-
-def merge_tdmoe(infos: list[dict], bnds: list[tuple[int, int]], cfg: TdmoeConfig) -> dict:
-    """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``), with the whole layer's keys: the
-    ranks (the layer's, the same in every chunk), the whitened errors from the chunks' summed squares, the
-    counts summed and the shared factors counted once."""
-    if all("skipped" in i for i in infos):
-        return dict(infos[0])
-    out: dict = {}
-    for proj in PROJ:
-        err = sum(i[proj]["sq"][0] for i in infos)
-        ref = sum(i[proj]["sq"][1] for i in infos)
-        rel = (err / ref) ** 0.5 if ref > 0 else 0.0
-        out[proj] = {"ranks": infos[0][proj]["ranks"], "whitened_rel_error": round(rel, 6)}
-    before = sum(i["params_before"] for i in infos)
-    shared = infos[0]["factor_params"]
-    after = sum(i["params_after"] - i["factor_params"] for i in infos) + shared
-    dense_params = sum(i["dense_params"] for i in infos)
-    out.update(ratio=infos[0]["ratio"], params_before=before, params_after=after,
-               members=sum(i["members"] for i in infos), dense_experts=shifted_ids(infos, bnds, "dense_experts"),
-               dense_params=dense_params, fraction_removed=(before - after) / max(before - dense_params, 1))  # fmt: skip
-    return out
-
-
-def refuse_chunks(cfg: TdmoeConfig) -> str | None:
-    """What needs every expert of a layer at once (the fix in the line)."""
-    if cfg.method == "hooi":
-        return ("method: hooi iterates over every expert of the layer at once; use method: hosvd (its shared "
-                "factors are fitted over the chunks)")  # fmt: skip
-    if cfg.budget == "from_structure":
-        return ("budget: from_structure scans per-projection ranks on the whitened stack of every expert at "
-                "once; use budget: uniform or adaptive")  # fmt: skip
-    return None
-
-
-def refuse_layer(shell: MoELayer, cfg: TdmoeConfig) -> str | None:
-    """``r1`` below the layer's experts truncates the expert mode, which needs every expert at once."""
-    if cfg.r1 is not None and cfg.r1 < shell.experts.num_experts:
-        return (f"r1={cfg.r1} truncates the expert mode, which mixes every expert of the layer; leave r1 unset "
-                "(the shared factors are fitted over the chunks)")  # fmt: skip
-    return None
-
-
-def chunk_workspace(sub: MoELayer, cfg: TdmoeConfig) -> int:
-    """Peak bytes of both phases on a chunk ``sub`` of ``n`` experts beyond its input and output: the three
-    projections' Gram matrices (``3·(H² + I²)`` float64, held from the first chunk to the fit), the
-    whiteners (``2·H² + I²``), the fit's eigendecomposition of the largest (``2·H²``), one expert's whitened
-    copies (``3·I·H``) and the chunk's float64 cores (at most ``n·I·H``)."""
-    n, i, h = sub.experts.gate.shape
-    return 8 * (3 * (h * h + i * i) + 2 * h * h + i * i + 2 * h * h + 3 * i * h + n * i * h)
 
 
 def _workspace(layer: MoELayer) -> int:
