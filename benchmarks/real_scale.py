@@ -249,8 +249,9 @@ t = time.perf_counter()
 (mc.calibrate if len(sys.argv) > 2 else mc.apply)(rec, progress=False)
 wall = time.perf_counter() - t
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-print(json.dumps({"wall_s": wall, "peak": peak_rss_bytes(),
-                  "read": int(io["rchar"]), "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime}))
+use = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall_s": wall, "peak": peak_rss_bytes(), "read": int(io["rchar"]), "cpu_s": use.ru_utime,
+                  "sys_s": use.ru_stime, "disk_read": int(io["read_bytes"])}))
 """
 
 
@@ -288,7 +289,8 @@ def gptoss(root: Path, steps: list[str], samples: int, seq_len: int, layers: int
                           "expert_chunk": chunk, "chunks": report["dry_run"].get("expert_chunk"), "memory_limit": limit,
                           "calibration": source if source == "none" else f"{samples} x {seq_len}",
                           "peak_rss_gib": round(m["peak"] / GiB, 2),
-                          "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
+                          "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1), "sys_s": round(m.get("sys_s", 0), 1),
+                          "disk_read_gib": round(m.get("disk_read", 0) / GiB, 2),
                           "read_gib": round(m["read"] / GiB, 2), "written_gib": round(written / GiB, 2),
                           "calibration_s": report["calibration"].get("seconds"), "step_s_per_layer": round(per_layer, 1),
                           "full_model_36_layers_h": round((m["wall_s"] / layers) * 36 / 3600, 2)}))  # fmt: skip
@@ -346,7 +348,8 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
                               "peak_rss_gib": round(m["peak"] / GiB, 2),
                               "calibration_estimate_gib": round(dry["calibration_memory_bytes"] / GiB, 2),
                               "stats_estimate_gib": round(dry["calibration_stats_bytes"] / GiB, 2),
-                              "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
+                              "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1), "sys_s": round(m.get("sys_s", 0), 1),
+                              "disk_read_gib": round(m.get("disk_read", 0) / GiB, 2),
                               "cache_gib": round(cache / GiB, 2)}))  # fmt: skip
             if not keep_cache:
                 shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
@@ -356,7 +359,8 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
         print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
                           "step_estimate_gib": round(max(v["bytes"] for v in report["dry_run"]["step_memory"].values()) / GiB, 2),
                           "run_estimate_gib": round(run_estimate(report["dry_run"]) / GiB, 2),
-                          "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1),
+                          "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1), "sys_s": round(m.get("sys_s", 0), 1),
+                          "disk_read_gib": round(m.get("disk_read", 0) / GiB, 2),
                           "read_gib": round(m["read"] / GiB, 2), "written_gib": round(written / GiB, 2),
                           "step_s_per_layer": round(sum(s["seconds"] for s in report["steps"]) / moe_layers, 1)}))  # fmt: skip
         subprocess.run(["rm", "-rf", str(out)], check=False)

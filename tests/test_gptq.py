@@ -3,6 +3,7 @@ permutation, fallback and protection, the statistics it needs, end to end with l
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -296,20 +297,23 @@ def test_output_errors_read_evenly_spaced_rows_of_a_tall_projection():
 def test_the_factor_is_the_cholesky_factor_of_the_inverse_hessian(n):
     """``U`` (one Cholesky of the reversed ``H`` and a triangular inverse by halves) is upper triangular
     with a positive diagonal and ``Uᵀ U (H + λI) = I``; it equals ``chol((H + λI)⁻¹)ᵀ`` formed the
-    direct way, to float64 rounding scaled by the condition number; ``lower_inverse`` at any leaf size
-    inverts a lower-triangular matrix."""
-    from moecompress.methods.gptq import inverse_hessian_factor, lower_inverse
+    direct way, to float64 rounding scaled by the condition number (the float32 factor is its rounding);
+    ``lower_inverse_`` at any leaf size inverts a lower-triangular matrix in place, row- or column-major."""
+    from moecompress.methods.gptq import inverse_hessian_factor, lower_inverse_
 
     h = _spd(n, seed=n).double()
     hd = h + 0.01 * float(h.diagonal().mean()) * torch.eye(n, dtype=torch.float64)
-    u = inverse_hessian_factor(h, 0.01)
+    u = inverse_hessian_factor(h, 0.01, torch.float64)
+    assert torch.equal(inverse_hessian_factor(h.float(), 0.01), u.float())
     tol = 16 * n * float(torch.linalg.cond(hd)) * torch.finfo(torch.float64).eps
     assert torch.equal(u, u.triu()) and bool((u.diagonal() > 0).all())
     assert float((u.T @ u @ hd - torch.eye(n, dtype=torch.float64)).abs().max()) < tol
     direct = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
     assert float((u - direct).abs().max() / direct.abs().max()) < tol
     c = torch.linalg.cholesky(hd)
-    for leaf in (1, 2, 3, 512):
-        inv = lower_inverse(c, leaf)
-        assert torch.equal(inv, inv.tril())
+    for leaf, major in itertools.product((1, 2, 3, 512), ("row", "column")):
+        buf = torch.empty(n, n, dtype=torch.float64)  # a fresh buffer (the Cholesky output is column-major)
+        buf = (buf if major == "row" else buf.mT).copy_(c)
+        inv = lower_inverse_(buf, leaf)
+        assert inv.data_ptr() == buf.data_ptr() and torch.equal(inv, inv.tril())
         assert float((inv @ c - torch.eye(n, dtype=torch.float64)).abs().max()) < tol
