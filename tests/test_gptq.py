@@ -277,6 +277,29 @@ def test_a_shared_hessian_factor_gives_the_same_codes(act_order):
     assert output_errors(w, [w_hat, w], h) == [pytest.approx(exact, rel=64 * torch.finfo(torch.float32).eps), 0.0]
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_output_errors_through_the_factorisations_triangular_root(act_order):
+    """``tr(D H Dᵀ)`` read through the Cholesky factor the factorisation leaves (:class:`Root`: the damped,
+    reversed, permuted Hessian, less the diagonal it added) equals the direct trace to float32 rounding,
+    with a dead input channel; and the factor's codes are those without the root."""
+    from moecompress.methods.gptq import hessian_factor, output_errors
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(300, 96, generator=g), torch.randn(40, 96, generator=g)
+    x[:, 5] = 0  # a channel no token reached: H_55 = 0, given 1 by the factorisation
+    h = x.T @ x / 300
+    fac = hessian_factor(h, 0.05, act_order, root=True)
+    assert all(torch.equal(a, b) for a, b in zip(fac[:2], hessian_factor(h, 0.05, act_order)) if a is not None)
+    root = fac[2]
+    assert root.c.dtype == torch.float32 and torch.equal(root.c, root.c.tril())
+    hats = [w + 0.01 * torch.randn(w.shape, generator=g), w.round()]
+    direct = output_errors(w, hats, h, rows=None)
+    got = output_errors(w, hats, h, rows=None, root=root)
+    bound = 96 * 64 * torch.finfo(torch.float32).eps  # products of 96 terms, a damped trace less its shift
+    assert got == [pytest.approx(v, rel=bound) for v in direct]
+    assert got != output_errors(w, hats, h + torch.eye(96), rows=None)  # it reads the Hessian factorised
+
+
 def test_output_errors_read_evenly_spaced_rows_of_a_tall_projection():
     """Past ``rows`` output rows the errors are those of every ``⌈out/rows⌉``-th row (the same formula on
     those rows); up to ``rows`` rows, or ``rows=None``, every row is read."""

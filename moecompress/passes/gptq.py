@@ -32,7 +32,8 @@ projection: a Cholesky factorisation and inverse of ``H`` (``in³``) and ``out·
 Report: as ``rtn`` (bytes before/after, bytes per routed parameter, relative weight error) plus the
 relative output error ``tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)`` of GPTQ and of round-to-nearest on the same grid,
 per projection, averaged over the quantised experts (estimated on 512 evenly spaced output rows of a
-projection with more: :func:`~moecompress.methods.gptq.output_errors`).
+projection with more, through the factorisation's triangular Cholesky factor:
+:func:`~moecompress.methods.gptq.output_errors`).
 
 Example steps::
 
@@ -111,14 +112,15 @@ def _hessians(layer: MoELayer, stats: LayerStats, name: str) -> torch.Tensor:
 
 
 def _workspace(layer: MoELayer, cfg: GptqConfig) -> int:
-    """Beyond the layer and its statistics: float64 copies of the widest Hessian while its factor is made
-    (:func:`~moecompress.methods.gptq.inverse_hessian_factor`: the damped copy, its reversal, the Cholesky
-    factor and its inverse, 4·in²·8 bytes: 1.6 GB at DeepSeek-V3's 7168 inputs) and float32 copies of the
-    largest projection of one expert (the weights, the two dequantisations, the codes, the working
-    transpose: 5·out·in·4)."""
+    """Beyond the layer and its statistics: the widest Hessian's factorisation
+    (:func:`~moecompress.methods.gptq.inverse_hessian_factor`: its float32 reversal, the float64 buffer
+    factorised and inverted in place, the inverse's temporaries, the float32 Cholesky factor kept for the
+    output errors, the float32 factor and its reversal: 28·in² bytes, 1.4 GB at DeepSeek-V3's 7168 inputs)
+    and float32 copies of the largest projection of one expert (the weights, the two dequantisations, the
+    codes, the working transpose: 5·out·in·4)."""
     shapes = [getattr(layer.experts, p).shape for p in PROJ]
     inn, big = max(s[2] for s in shapes), max(s[1] * s[2] for s in shapes)
-    return 4 * inn * inn * 8 + 5 * big * 4
+    return 28 * inn * inn + 5 * big * 4
 
 
 def gptq(layer: MoELayer, stats: LayerStats, cfg: GptqConfig) -> tuple[MoELayer, dict]:
@@ -144,14 +146,15 @@ def gptq(layer: MoELayer, stats: LayerStats, cfg: GptqConfig) -> tuple[MoELayer,
             else:
                 try:
                     if HESSIAN[name] not in factors:
-                        factors[HESSIAN[name]] = hessian_factor(he, cfg.damp, cfg.act_order)
+                        factors[HESSIAN[name]] = hessian_factor(he, cfg.damp, cfg.act_order, root=True)
                     q, s, z = gptq_quantize(we, he, cfg.bits, gs, cfg.symmetric, cfg.act_order, cfg.damp, cfg.block,
                                             factor=factors[HESSIAN[name]])  # fmt: skip
                 except MethodError as err:
                     raise PassError(f"layer {layer.index} expert {e} {name}: {err}") from None
             deq = dequantize(q, s, z, cfg.bits)
             acc["rel"].append(float((deq - we).norm() / we.norm().clamp_min(1e-30)))
-            o, r = output_errors(we, [deq, dequantize(rq, rs, rz, cfg.bits)], he)
+            root = factors[HESSIAN[name]][2] if e not in fallback else None
+            o, r = output_errors(we, [deq, dequantize(rq, rs, rz, cfg.bits)], he, root=root)
             acc["o"].append(o)
             acc["r"].append(r)
             acc["q"].append(pack_bits(q, cfg.bits))
