@@ -206,7 +206,7 @@ def gptq_quantize(
     out, inn = w.shape
     gs = group_width(inn, group_size)
     qmax = (1 << bits) - 1
-    wf = w.detach().float().clone()
+    wf = w.detach().float()  # read only: the column loop works on its transposed copy
     n_groups = inn // gs
     scales = torch.zeros(out, n_groups, dtype=torch.float16, device=w.device)
     zeros = torch.zeros(out, n_groups, dtype=torch.float32, device=w.device)
@@ -221,8 +221,8 @@ def gptq_quantize(
         wf = wf[:, perm]
     group_of = (perm if perm is not None else torch.arange(inn, device=w.device)) // gs
     blk = max(block // gs, 1) * gs if not static and gs < inn else block  # groups inside one block
-    wt = wf.T.contiguous()  # [in, out]: column j of W is the contiguous row wt[j]
-    codes = torch.zeros(inn, out, dtype=torch.float32, device=w.device)
+    wt = wf.T.clone(memory_format=torch.contiguous_format)  # [in, out], a copy: column j of W is row wt[j]
+    codes = torch.zeros(inn, out, dtype=torch.uint8, device=w.device)  # q holds whole numbers 0..qmax
     scale_t, safe_t, zero_t = scales.float().T.contiguous(), safes.T.contiguous(), zeros.T.contiguous()
     groups = group_of.tolist()
     dinv = (1.0 / torch.diagonal(u)).tolist()
@@ -250,7 +250,7 @@ def gptq_quantize(
     zeros = zero_t.T.contiguous()
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return codes.to(torch.uint8).contiguous(), scales, None if symmetric else zeros.to(torch.uint8)
+    return codes.contiguous(), scales, None if symmetric else zeros.to(torch.uint8)
 
 
 ERROR_ROWS = 512
