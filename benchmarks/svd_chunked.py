@@ -17,7 +17,7 @@ Calibration, evaluation (the last 2 % of every corpus file held out) and expert 
 
     OMP_NUM_THREADS=1 python benchmarks/svd_chunked.py [--step svd_experts|codequant|tdmoe|namex|merge_experts] [--shared /work/shared]
         [--models ref-qwen3moe ref-mixtral] [--samples 64] [--holdout 8] [--seq-len 256] [--eval-tokens 16384]
-        [--json PATH]
+        [--json PATH] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -99,6 +99,20 @@ STEPS = {
 }
 
 
+def _cast(src: Path, dst: Path, dtype: str) -> Path:
+    """``src`` saved to ``dst`` with its weights in ``dtype`` (transformers' own classes; the other files
+    copied: tokenizer, generation config)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.is_file() and not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
@@ -112,6 +126,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--json", help="also write all rows to this JSON file")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the reference models' weights cast to this dtype first (tdmoe by chunks works in float32 "
+                         "for 16-bit weights)")  # fmt: skip
     args = ap.parse_args()
 
     from transformers.utils import logging as hf_logging
@@ -129,6 +146,8 @@ def main() -> None:
     results: dict = {"args": vars(args), "models": {}}
     for name in args.models:
         model = data / "models" / name
+        if args.dtype != "float32":
+            model = _cast(model, work / f"{name}-{args.dtype}", args.dtype)
         ckpt = open_checkpoint(model)
         e = ckpt.read_layer_shell(ckpt.moe_layer_indices[0]).router.num_experts
         chunk = max(1, e // 4)
