@@ -36,10 +36,13 @@ def tol(dtype: torch.dtype, red: int) -> float:
     return 4 * torch.finfo(dtype).eps * (red**0.5)
 
 
-def close(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, red: int = H + W) -> None:
+def close(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, red: int = H + W) -> bool:
+    """Whether ``y`` is ``r`` (same shape, float32) within a few ulps of ``dtype`` grown with the reduction
+    length, relative to the output's scale (``torch.testing.assert_close``'s rule, ``|y − r| ≤ atol + rtol·|r|``)."""
     t = tol(dtype, red)
     scale = float(r.abs().max().clamp_min(1)) if r.numel() else 1.0
-    torch.testing.assert_close(y, r.float(), atol=t * scale, rtol=t)
+    r = r.float()
+    return y.shape == r.shape and y.dtype == r.dtype and bool(torch.isclose(y, r, rtol=t, atol=t * scale).all())
 
 
 def weights(dtype=torch.float32, seed=0) -> dict[str, torch.Tensor]:
@@ -105,25 +108,25 @@ def test_codebook_equals_reference_and_oracle(bits, dtype):
     ids, w = routing(7, bits, 8)
     ids[0, 1] = ids[5, 0] = 8  # dropped
     y, r, prep, x, _, _ = run(bank, 7, dtype, emap=emap, ids=ids, w=w)
-    close(y, r, dtype)
+    assert close(y, r, dtype)
     mids = prep.members.member_of.cpu()[emap[ids.clamp(max=7)].masked_fill(ids == 8, E)]
     kern = k3.codebook_moe_ref(x.float(), *(dataclasses.replace(p, codes=p.codes.cpu(), table=p.table.cpu())
                                for p in (prep.gate, prep.up, prep.down)), prep.widths.cpu(), mids, w)  # fmt: skip
     exact = experts_forward(bank, x, ids.masked_fill(mids < prep.members.count, 8), w, emap)  # exact expert alone
-    close(y, kern + exact, dtype)
+    assert close(y, kern + exact, dtype)
 
 
 @pytest.mark.parametrize("t", [0, 1, 3, 33])
 def test_token_counts(t):
     bank = codebook_bank(4, protected=(4,))
     y, r, *_ = run(bank, t, torch.float32, seed=t)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_bf16_is_upcast_under_the_interpreter():
     """bf16 banks compute right (tiles upcast to fp32 where the interpreter's bf16 is wrong; native on GPU)."""
     y, r, *_ = run(codebook_bank(4, torch.bfloat16, protected=(1,)), 7, torch.bfloat16, seed=11)
-    close(y, r, torch.bfloat16)
+    assert close(y, r, torch.bfloat16)
 
 
 def test_codequant_rotation_and_activation_quantisation():
@@ -132,7 +135,7 @@ def test_codequant_rotation_and_activation_quantisation():
     bank = codebook_bank(3, protected=(2,), rotate=True, act_bits=4)
     assert bank.rotation is not None and bank.unrotated == {2}
     y, r, _, x, ids, w = run(bank, 7, torch.float32, seed=5)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
     plain = dataclasses.replace(bank, rotation=None, act_bits=None, unrotated=frozenset())
     assert (y - experts_forward(plain, x, ids, w)).abs().max() > 1e-2  # the transform matters here
 
@@ -144,7 +147,7 @@ def test_pruned_codebook_stored_narrower(dtype):
     bank = codebook_bank(4, dtype, protected=(0,), live=24, group=8)
     assert bank.gate.stored == (24, H) and bank.down.stored == (H, 24)
     y, r, *_ = run(bank, 7, dtype, seed=2)
-    close(y, r, dtype)
+    assert close(y, r, dtype)
 
 
 @pytest.mark.parametrize("group", [-1, 16])
@@ -156,17 +159,17 @@ def test_register_lookup_tables(group):
     prep = prepare_on(k3.prepare, bank, None, cfg)
     assert {k3._lut(cfg, getattr(prep, n), 16) for n in ("gate", "up", "down")} == {1 if group == -1 else 2}
     y, r, *_ = run(bank, 7, torch.float32, config=cfg, seed=12)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_empty_expert_and_all_tokens_to_one():
     bank = codebook_bank(2)
     ids, w = routing(9, 3, E - 1)  # expert E-1 receives nothing
     y, r, *_ = run(bank, 9, torch.float32, ids=ids, w=w)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
     one = torch.full((33, K), 3)
     y, r, *_ = run(bank, 33, torch.float32, ids=one, w=torch.rand(33, K))
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 @pytest.mark.parametrize("bits,group,symmetric", [(4, 16, False), (4, 16, True), (4, -1, False), (4, -1, True),
@@ -176,7 +179,7 @@ def test_rtn(bits, group, symmetric):
     stored or implicit ``2^(bits−1)``; one protected expert."""
     bank = rtn_bank(bits, group, symmetric, protected=(3,))
     y, r, *_ = run(bank, 7, torch.float32, seed=bits + group)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_rtn_with_per_expert_widths():
@@ -185,7 +188,7 @@ def test_rtn_with_per_expert_widths():
     bank = dataclasses.replace(bank, widths=torch.tensor([40, 17, 0, 33, 40, 8]),
                                biases={"down": torch.randn(E, H, generator=torch.Generator().manual_seed(3))})
     y, r, *_ = run(bank, 9, torch.float32, seed=14)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_rtn_fp16_and_split_k():
@@ -195,9 +198,9 @@ def test_rtn_fp16_and_split_k():
     bank = dataclasses.replace(bank, biases={"down": (torch.randn(E, H) / 4).half()})
     cfg = k3.Config(bm=16, bn=16, bk=16, bn_down=32, bk_down=16, split_k=2, stages=1)
     y, r, *_ = run(bank, 7, torch.float16, config=cfg, seed=4)
-    close(y, r, torch.float16)
+    assert close(y, r, torch.float16)
     y1, *_ = run(bank, 7, torch.float16, seed=4)
-    close(y, y1, torch.float16)
+    assert close(y, y1, torch.float16)
 
 
 def test_biases_and_clamped_activation():
@@ -208,7 +211,7 @@ def test_biases_and_clamped_activation():
               "down": torch.randn(E, H, generator=g) / 4}  # fmt: skip
     bank = dataclasses.replace(bank, biases=biases, act=Act.SWIGLU_CLAMPED, limit=0.5)
     y, r, *_ = run(bank, 7, torch.float32, seed=7)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_dequant_reference_equals_layout():
@@ -226,7 +229,7 @@ def test_every_expert_exact():
     bank = codebook_bank(4, protected=tuple(range(E)))
     assert int((bank.gate.members >= 0).sum()) == 0
     y, r, *_ = run(bank, 5, torch.float32, seed=13)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_unserved_banks_and_bad_configs():

@@ -32,11 +32,13 @@ pytestmark = pytest.mark.interpreter
 E, W, H, K = 6, 40, 64, 2
 
 
-def close(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, red: int = H + W) -> None:
-    """A few ulps of ``dtype`` grown with the reduction length, relative to the output's scale."""
+def close(y: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, red: int = H + W) -> bool:
+    """Whether ``y`` is ``r`` (same shape, float32) within a few ulps of ``dtype`` grown with the reduction
+    length, relative to the output's scale (``torch.testing.assert_close``'s rule, ``|y − r| ≤ atol + rtol·|r|``)."""
     t = 4 * torch.finfo(dtype).eps * red**0.5
     scale = float(r.abs().max().clamp_min(1)) if r.numel() else 1.0
-    torch.testing.assert_close(y, r.float(), atol=t * scale, rtol=t)
+    r = r.float()
+    return y.shape == r.shape and y.dtype == r.dtype and bool(torch.isclose(y, r, rtol=t, atol=t * scale).all())
 
 
 def weights(dtype=torch.float32, seed=0) -> dict[str, torch.Tensor]:
@@ -106,11 +108,11 @@ def test_equals_reference_and_oracle(kind, dtype):
     ids, w = routing(7, 1, 8)
     ids[1, 0] = ids[6, 1] = 8
     y, r, prep, x, _, _ = run(bank, 7, dtype, emap=emap, ids=ids, w=w)
-    close(y, r, dtype)
+    assert close(y, r, dtype)
     mids = prep.members.member_of.cpu()[emap[ids.clamp(max=7)].masked_fill(ids == 8, E)]
     ref = k4.factorized_moe_ref(x.float(), bank.gate, bank.up, bank.down, mids, w)
     exact = experts_forward(bank, x, ids.masked_fill(mids < prep.members.count, 8), w, emap)
-    close(y, ref + exact, dtype)
+    assert close(y, ref + exact, dtype)
 
 
 @pytest.mark.parametrize("t", [0, 1, 3, 33])
@@ -118,13 +120,13 @@ def test_equals_reference_and_oracle(kind, dtype):
 def test_token_counts(kind, t):
     bank = bank_of(kind)
     y, r, *_ = run(bank, t, torch.float32, seed=t)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_bf16_is_upcast_under_the_interpreter():
     """bf16 banks compute right (tiles upcast to fp32 where the interpreter's bf16 is wrong; native on GPU)."""
     y, r, *_ = run(bank_of("tucker", torch.bfloat16, protected=(2,)), 7, torch.bfloat16, seed=11)
-    close(y, r, torch.bfloat16)
+    assert close(y, r, torch.bfloat16)
 
 
 def test_tucker_truncated_expert_mode():
@@ -132,7 +134,7 @@ def test_tucker_truncated_expert_mode():
     bank = bank_of("tucker", protected=(0,), r1=3)
     assert bank.gate.u_expert is not None
     y, r, *_ = run(bank, 7, torch.float32, seed=3)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_lowrank_ranks_of_every_size_and_split_k():
@@ -143,21 +145,21 @@ def test_lowrank_ranks_of_every_size_and_split_k():
     bank = ExpertBank(*(lowrank(w[n], ranks=ranks) for n in ("gate", "up", "down")))
     cfg = k4.Config(bm=16, br=16, bk=16, bn=32, split_k=2, stages=1)
     y, r, *_ = run(bank, 7, torch.float16, config=cfg, seed=2)
-    close(y, r, torch.float16)
+    assert close(y, r, torch.float16)
 
 
 def test_tucker_split_k_fp16():
     bank = bank_of("tucker", torch.float16, protected=(4,))
     cfg = k4.Config(bm=16, br=16, bk=16, bn=16, split_k=3, stages=1)
     y, r, *_ = run(bank, 7, torch.float16, config=cfg, seed=6)
-    close(y, r, torch.float16)
+    assert close(y, r, torch.float16)
 
 
 @pytest.mark.parametrize("kinds", [("tucker", "lowrank"), ("lowrank", "tucker")])
 def test_mixed_gate_up_and_down_layouts(kinds):
     bank = bank_of(kinds[0], down=kinds[1], protected=(1,))
     y, r, *_ = run(bank, 7, torch.float32, seed=4)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["tucker", "lowrank"])
@@ -169,16 +171,16 @@ def test_biases_and_clamped_activation(kind):
               "down": torch.randn(E, H, generator=g)}  # fmt: skip
     bank = dataclasses.replace(bank_of(kind, protected=(3,)), biases=biases, act=Act.SWIGLU_CLAMPED, limit=1.0)
     y, r, *_ = run(bank, 7, torch.float32, seed=8)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_empty_expert_and_all_tokens_to_one():
     bank = bank_of("tucker", protected=(0,))
     ids, w = routing(9, 3, E - 1)
     y, r, *_ = run(bank, 9, torch.float32, ids=ids, w=w)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
     y, r, *_ = run(bank, 33, torch.float32, ids=torch.full((33, K), 4), w=torch.rand(33, K))
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
 
 
 def test_rotated_input_with_unrotated_exact_expert():
@@ -189,7 +191,7 @@ def test_rotated_input_with_unrotated_exact_expert():
     bank = dataclasses.replace(bank_of("lowrank", protected=(5,)), rotation=hadamard(H, 1).float(), act_bits=4,
                                unrotated=frozenset({5}))  # fmt: skip
     y, r, _, x, ids, w = run(bank, 7, torch.float32, seed=9)
-    close(y, r, torch.float32)
+    assert close(y, r, torch.float32)
     plain = dataclasses.replace(bank, rotation=None, act_bits=None, unrotated=frozenset())
     assert (y - experts_forward(plain, x, ids, w)).abs().max() > 1e-2
 
