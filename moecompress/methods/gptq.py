@@ -115,8 +115,8 @@ def inverse_hessian_factor(
     h: torch.Tensor, damp: float, dtype: torch.dtype = torch.float32, root: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, Root]:
     """``U = chol((H + damp·mean(diag H)·I)⁻¹)ᵀ`` (upper triangular, row-major, in ``dtype``; computed in
-    float64), dead channels
-    (``H_jj = 0``) given ``H_jj = 1``; raises :class:`MethodError` when ``H`` is not positive definite.
+    float64), dead channels (``H_jj = 0``) given ``H_jj = 1``; raises :class:`MethodError` when ``H`` is not
+    positive definite.
 
     Without forming ``H⁻¹``: with ``J`` the order reversal and ``J H J = C Cᵀ`` (Cholesky), ``R = J C J`` is
     upper triangular with ``H = R Rᵀ``, so ``H⁻¹ = R⁻ᵀ R⁻¹`` and ``U = R⁻¹ = J C⁻¹ J`` (upper, positive
