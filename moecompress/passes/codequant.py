@@ -90,11 +90,11 @@ from moecompress.layouts.base import meta_tensor
 from moecompress.layouts.codebook import Codebook
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
+from moecompress.methods.codebook_finetune import finetune
 from moecompress.methods.codebooks import (
     Routing,
     cluster,
     expert_seed,
-    finetune,
     gate_up_scales,
     reassign,
     rotate_bank,
@@ -332,26 +332,28 @@ WORKSPACE_BYTES_PER_WEIGHT = 12
 """What :func:`codequant` holds per quantised weight while it fine-tunes (every target projection at
 once): the float32 weights (4 bytes), the k-means codes (1, ``uint8``; kept for a run whose best step is
 the first), the sorted reassignment rows (float32 values and int16 positions: 6), the working codes (1,
-updated in place). The fit and validation forwards decode one expert at a time, and the gradient is taken
-one expert at a time (:meth:`~moecompress.methods.codebooks._Blocks.backward`): :data:`EXPERT_BYTES_PER_WEIGHT`
-per weight of the largest expert. The rotated gate/up copy (layer dtype) and the k-means chunk
+updated in place). The forwards and the backward decode one expert at a time, into buffers reused across
+experts and steps (:class:`~moecompress.methods.codebook_finetune.Decoded`): :data:`EXPERT_BYTES_PER_WEIGHT`
+per weight of one expert of each part. The rotated gate/up copy (layer dtype) and the k-means chunk
 (:data:`~moecompress.methods.kmeans.CHUNK_VALUES` values, about 10 float64 copies) come on top."""
 
-EXPERT_BYTES_PER_WEIGHT = 24
-"""One expert's transient workspace per weight: its decoded float32 weights, their gradient, the int64
-index of the decode and of the gradient's scatter (4 + 4 + 8 + 8)."""
+EXPERT_BYTES_PER_WEIGHT = 12
+"""The fine-tuning's buffers per weight of one expert of each part (a routed expert's projections, the
+shared expert's): its decoded float32 weights, the same from float16-rounded centroids (the validation
+forward's) and its weight gradient (4 + 4 + 4; the int64 index goes a block of rows at a time)."""
 
 
 def _workspace(layer: MoELayer, cfg: CodequantConfig) -> int:
     """Bytes :func:`codequant` allocates on ``layer`` beyond its input and output (the dry run's estimate):
-    :data:`WORKSPACE_BYTES_PER_WEIGHT` per quantised weight, one expert's :data:`EXPERT_BYTES_PER_WEIGHT`,
-    and the rotated gate/up (in the layer's dtype)."""
-    targets = [math.prod(getattr(getattr(layer, b), n).shape) for b, n in _targets(layer, cfg)]
+    :data:`WORKSPACE_BYTES_PER_WEIGHT` per quantised weight, :data:`EXPERT_BYTES_PER_WEIGHT` per weight of
+    one expert of each part, and the rotated gate/up (in the layer's dtype)."""
+    shapes = [getattr(getattr(layer, b), n).shape for b, n in _targets(layer, cfg)]
     bank = layer.experts
     rotated = 0 if rotation_kind(cfg) == "none" else bank.gate.nbytes() + bank.up.nbytes()
     per_weight = WORKSPACE_BYTES_PER_WEIGHT if cfg.finetune_steps else 5  # k-means only: weights, codes
-    one_expert = 3 * max(targets, default=0) // max(bank.num_experts, 1)
-    return per_weight * sum(targets) + EXPERT_BYTES_PER_WEIGHT * one_expert + rotated + 10 * 8 * CHUNK_VALUES
+    one_expert = sum(math.prod(s[1:]) for s in shapes)  # also the validation forward of k-means only
+    total = sum(math.prod(s) for s in shapes)
+    return per_weight * total + EXPERT_BYTES_PER_WEIGHT * one_expert + rotated + 10 * 8 * CHUNK_VALUES
 
 
 def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple[MoELayer, dict]:
