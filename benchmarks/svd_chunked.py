@@ -2,7 +2,7 @@
 layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for each of the step's variants:
 
 - ``--step svd_experts`` (default): ``svd_experts {ratio: 0.4}`` with ``ranks: balanced`` (each chunk spends
-  its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical);
+  its share of the layer's total rank; before 2026-12-05 (fifth session) its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical);
 - ``--step codequant``: ``codequant {bits: 4}`` with the default fine-tuning (each chunk fitted on its own
   experts' part of the block output) and with ``finetune_steps: 0`` (k-means only, byte-identical);
 - ``--step tdmoe``: ``tdmoe {ratio: 0.4}`` (HOSVD, input whitening): whole layers through tensorly's HOSVD of

@@ -211,7 +211,7 @@ def test_a_chunk_reads_the_layers_whiteners_from_the_prelude():
     tensors = {"input_cov": x.T @ x / 64, "down_in_cov_pooled": torch.eye(W, dtype=torch.float64) * 2}
     cfg = SvdExpertsConfig(ratio=0.5)
     pre = prelude(layer, LayerStats(0, tensors), cfg)
-    assert pre["gate"] is pre["up"] and pre["gate"].right_kind == "lower"
+    assert pre.whiteners["gate"] is pre.whiteners["up"] and pre.whiteners["gate"].right_kind == "lower"
     whole, _ = svd_experts(layer, LayerStats(0, tensors), cfg)
     chunk, _ = svd_experts(layer, LayerStats(0, tensors, prelude=pre), cfg)
     plain, _ = svd_experts(layer, LayerStats(0), SvdExpertsConfig(ratio=0.5, whitening="none"))
@@ -224,3 +224,24 @@ def test_a_chunk_reads_the_layers_whiteners_from_the_prelude():
     assert not torch.equal(whole.experts.gate.tensors()["v"], plain.experts.gate.tensors()["v"])
     every = layer.replace(protected=frozenset(range(E)))
     assert prelude(every, LayerStats(0, tensors), cfg) is None
+    some = prelude(layer.replace(protected=frozenset({0, 2})), LayerStats(0, tensors), cfg)
+    assert [some.chunk(a, a + 1).before() for a in range(E)] == [0, 0, 1, 1]  # decomposed experts before a
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (12, 8), (2048, 7168), (7, 7)])
+def test_chunk_rank_shares_add_up_to_the_whole_layers_total_whatever_the_chunking(shape):
+    from moecompress.methods.svd import rank_share, rank_split
+
+    out, inn = shape
+    for ratio in (0.1, 0.4, 0.55):
+        for m in (1, 5, 64, 256):
+            base, extra = rank_split(out, inn, m, ratio)
+            assert rank_share(out, inn, 0, m, ratio) == (base, extra)  # one chunk: the whole layer
+            for size in (1, 3, 16):
+                total = 0
+                for a in range(0, m, size):
+                    n = min(size, m - a)
+                    b, x = rank_share(out, inn, a, n, ratio)
+                    assert b == base and 0 <= x <= n, (ratio, m, size, a)
+                    total += b * n + x
+                assert total == base * m + extra, (ratio, m, size)

@@ -20,6 +20,19 @@ def rank_split(out: int, inn: int, n: int, ratio: float, mode: str = "balanced")
     return divmod(math.floor(c * n), n)  # base = ⌊⌊c·n⌋ / n⌋ = ⌊c⌋
 
 
+def rank_share(out: int, inn: int, before: int, n: int, ratio: float) -> tuple[int, int]:
+    """``(base, extra)`` of ``ranks: balanced`` for ``n`` consecutive experts of a layer preceded by
+    ``before`` decomposed experts (a chunk of the layer): their total rank is ``⌊c·(before + n)⌋ −
+    ⌊c·before⌋``, so the chunks' totals add up to the whole layer's ``⌊c·M⌋`` whatever the chunking
+    (``before = 0, n = M``: :func:`rank_split`)."""
+    c = (1 - Fraction(repr(ratio))) * out * inn / (out + inn)
+    if n == 0:
+        return math.floor(c), 0
+    total = math.floor(c * (before + n)) - math.floor(c * before)
+    base = math.floor(c)
+    return base, total - base * n  # 0 <= extra <= n: ⌊c⌋·n <= ⌊c·n⌋ <= total <= ⌊c·n⌋ + 1
+
+
 SVD_WORKSPACE_COPIES = 4
 """float64 copies of one expert alive during :func:`factorize` (the expert, its whitened copy and the kept
 factors with their temporaries), plus ``2·min(out, in)²`` for the Gram matrix and its eigenvectors: peak

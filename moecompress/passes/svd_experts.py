@@ -25,14 +25,13 @@ baseline; on small matrices it removes noticeably more than ``ratio``, e.g. 0.43
 **By chunks of experts** (``expert_chunk: N`` or ``auto``, a layer larger than memory): the whiteners are
 pooled over the layer and passed whole to every chunk, so each expert's factors depend on that expert
 alone. With ``ranks: uniform`` the output is byte-identical to the whole layer's. With ``ranks:
-balanced`` each chunk spends its own budget ``⌊c·M_k⌋`` over its ``M_k`` decomposed experts (the same
-greedy choice inside the chunk): an expert's rank may differ by one from the whole-layer allocation, and
-the layer's total rank is ``Σ_k ⌊c·M_k⌋``, at most one less per chunk (after the first) than the whole
-layer's ``⌊c·M⌋`` (equal when ``c·M_k`` are whole numbers, or with ``ranks: uniform``); the step
-summary's ``decomposed_fraction_removed`` gives the achieved fraction. (A chunk does not know where it
-sits in the layer, so it cannot take its share of the layer's remainder.) Every layer with a routed
-expert is written in the ``lowrank`` layout, also one whose experts are all protected (all stored dense
-in it), so that chunks join.
+balanced`` a chunk whose ``M_k`` decomposed experts follow ``B`` decomposed experts of the layer spends
+``⌊c·(B + M_k)⌋ − ⌊c·B⌋`` (:func:`~moecompress.methods.svd.rank_share`; the prelude tells it ``B``) by
+the same greedy choice inside the chunk: the chunks' totals add up to the whole layer's ``⌊c·M⌋``, so
+the layer removes the same fraction, and an expert's rank may differ by one from the whole-layer
+allocation (which of the experts gets the extra ranks is chosen within each chunk). Every layer with a
+routed expert is written in the ``lowrank`` layout, also one whose experts are all protected (all stored
+dense in it), so that chunks join.
 
 Protected (super) experts keep all three projections dense and bit-identical; shared experts, routers
 and biases are untouched. Input must be dense: decompose before neuron pruning, or prune with
@@ -51,6 +50,7 @@ Example steps::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal
 
@@ -62,7 +62,7 @@ from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.lowrank import LowRank
 from moecompress.layouts.ragged import Ragged
-from moecompress.methods.svd import factorize, factorize_workspace, rank_split
+from moecompress.methods.svd import factorize, factorize_workspace, rank_share, rank_split
 from moecompress.methods.whitening import ALL_NEEDS, projection_whiteners, whitening_needs
 
 PROJ = ("gate", "up", "down")
@@ -135,21 +135,49 @@ def _workspace(layer: MoELayer, cfg: SvdExpertsConfig) -> int:
     return copy + max(factorize_workspace(out, inn, e) for e, out, inn in sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prelude:
+    """What a layer held by chunks of experts computes once for every chunk (:func:`prelude`): the pooled
+    whiteners, which physical experts are protected, and (:meth:`chunk`) the chunk's first expert."""
+
+    whiteners: dict
+    protected: frozenset[int]
+    first: int = 0
+
+    def chunk(self, a: int, b: int) -> Prelude:
+        return dataclasses.replace(self, first=a)
+
+    def before(self) -> int:
+        """Decomposed (not protected) experts of the layer before the chunk."""
+        return self.first - sum(1 for e in self.protected if e < self.first)
+
+
 def _whiteners(stats: LayerStats, cfg: SvdExpertsConfig) -> dict:
     """The layer's pooled whiteners: made once per layer by :func:`prelude` for a layer held by chunks of
     experts, else here (the same function)."""
-    if isinstance(stats.prelude, dict):
-        return stats.prelude
+    if isinstance(stats.prelude, Prelude):
+        return stats.prelude.whiteners
     return projection_whiteners(stats, cfg.whitening, cfg.input_form)
 
 
-def prelude(shell: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> dict | None:
+def prelude(shell: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> Prelude | None:
     """For a layer held by chunks of experts: the pooled whiteners, once per layer (their Cholesky factors
-    of ``hidden × hidden`` covariances cost more than a chunk's SVDs); ``None`` when every expert is
-    protected (the chunks then make none)."""
-    if shell.experts.num_experts <= len({shell.physical(e) for e in shell.protected}):
+    of ``hidden × hidden`` covariances cost more than a chunk's SVDs), and the protected experts (each
+    chunk's share of the layer's balanced total rank); ``None`` when every expert is protected (the
+    chunks then make none)."""
+    protected = frozenset(shell.physical(e) for e in shell.protected)
+    if shell.experts.num_experts <= len(protected):
         return None
-    return projection_whiteners(stats, cfg.whitening, cfg.input_form)
+    return Prelude(projection_whiteners(stats, cfg.whitening, cfg.input_form), protected)
+
+
+def _ranks(out: int, inn: int, n: int, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[int, int]:
+    """``(base, extra)`` for the ``n`` decomposed experts at hand: a whole layer's split, or a chunk's share
+    of its layer's total (:func:`~moecompress.methods.svd.rank_share`)."""
+    pre = stats.prelude
+    if cfg.ranks == "balanced" and isinstance(pre, Prelude):
+        return rank_share(out, inn, pre.before(), n, cfg.ratio)
+    return rank_split(out, inn, n, cfg.ratio, cfg.ranks)
 
 
 def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[MoELayer, dict]:
@@ -169,7 +197,7 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
         w = lay.dense()
         if todo:
             pairs, err = factorize(
-                w[todo], whiteners[name].to(w.device), *rank_split(out, inn, len(todo), cfg.ratio, cfg.ranks)
+                w[todo], whiteners[name].to(w.device), *_ranks(out, inn, len(todo), stats, cfg)
             )
         else:
             pairs, err = [], None
