@@ -333,7 +333,7 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
         res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(rec), *(["calibrate"] if calibrate_only else [])],
                              capture_output=True, text=True)  # fmt: skip
         line = {"model": f"deepseek-v3 fp8{' (filled)' if fill else ''}, {moe_layers} MoE layer(s) of {experts} experts", "step": name,
-                "expert_chunk": chunk,
+                "config": STEPS[name], "expert_chunk": chunk,
                 "memory_limit": limit, "calibration": source if source == "none" else f"{samples} x {seq_len}"}  # fmt: skip
         if res.returncode:
             print(json.dumps({**line, "error": (res.stderr.strip().splitlines() or ["?"])[-1][:400]}))
@@ -383,7 +383,13 @@ def main() -> None:
     ap.add_argument("--fill", action="store_true", help="deepseek --run: write random values into the holes")
     ap.add_argument("--calibrate-only", action="store_true", help="deepseek --run: calibration alone, peak vs estimate")
     ap.add_argument("--keep-cache", action="store_true", help="deepseek --calibrate-only: keep the statistics for the next --run")
+    ap.add_argument("--set", nargs="*", default=[], metavar="STEP.FIELD=JSON",
+                    help="override a step's field, e.g. codequant.finetune_steps=10")
     args = ap.parse_args()
+    for item in args.set:  # this run's step configs (printed with each measurement)
+        key, value = item.split("=", 1)
+        step, field = key.split(".", 1)
+        STEPS[step] = {**STEPS[step], field: json.loads(value)}
     args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -3,16 +3,16 @@ experts' centroids, its forward and backward one expert at a time, and Adam on t
 :mod:`moecompress.passes.codequant`; shapes as in :mod:`moecompress.methods.codebooks`).
 
 A step reads every quantised weight a few times: decoded for the forward, again for the backward's down
-projection, its gradient scattered into the centroids. Both go a block of rows at a time
-(:data:`DECODE_VALUES`) through one reused int64 index, into buffers reused across experts and steps
-(:class:`Decoded`): widening a whole expert's codes to int64 (8 bytes per weight) and faulting in fresh
-result memory cost more than the gathers themselves. The validation forward of a state and the next
-step's fit forward share one decode (:func:`forward_both`).
+projection, its gradient made and scattered into the centroids. Both go a block of rows at a time
+(:data:`DECODE_VALUES`) through one reused int64 index: decodes into buffers reused across experts and
+steps (:class:`Decoded`), gradients a block's product at a time, scattered while in cache
+(:func:`mm_to_centroids`). Widening a whole expert's codes to int64 (8 bytes per weight) and faulting in
+fresh result memory cost more than the gathers themselves. The validation forward of a state and the
+next step's fit forward share one decode (:func:`forward_both`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -63,12 +63,16 @@ def decode_into(tables: list[torch.Tensor], codes: torch.Tensor, outs: list[torc
             torch.gather(table[a:b], 2, block, out=w[a:b].view(block.shape))
 
 
-def scatter_to_centroids(grad: torch.Tensor, codes: torch.Tensor, g: torch.Tensor) -> None:
-    """``grad[r, g, k] += Σ_{j in group g: codes[r, j] = k} g[r, j]``: one expert's weight gradient ``g``
-    ``[out, in]`` into its centroids' gradient ``[out, G, K]`` (each row summed in the order of its inputs,
-    as one ``scatter_add_`` of the whole expert does)."""
-    for a, b, block in _row_blocks(codes, grad.shape[1]):
-        grad[a:b].scatter_add_(2, block, g[a:b].view(block.shape))
+def mm_to_centroids(grad: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> None:
+    """``grad[r, g, k] += Σ_{j in group g: codes[r, j] = k} (a @ c)[r, j]``: one expert's weight gradient
+    ``a @ c`` (``a`` ``[out, T]``, ``c`` ``[T, in]``) into its centroids' gradient ``[out, G, K]``, a block of
+    rows at a time: the block's product is scattered while in cache, and the whole ``[out, in]`` gradient
+    never exists (each row summed in the order of its inputs, as one ``scatter_add_`` does)."""
+    rows = max(1, min(codes.shape[0], DECODE_VALUES // max(codes.shape[1], 1)))
+    buf = torch.empty(rows, c.shape[1], dtype=torch.promote_types(a.dtype, c.dtype), device=c.device)
+    for r0, r1, block in _row_blocks(codes, grad.shape[1]):
+        w = torch.mm(a[r0:r1], c, out=buf[: r1 - r0])
+        grad[r0:r1].scatter_add_(2, block, w.view(block.shape))
 
 
 class Decoded:
@@ -179,7 +183,6 @@ class _Blocks:
                 self.shared_gate = torch.sigmoid(F.linear(x.float(), rotated.shared_gate.float()))
         self.const = const
         self.saved: dict[int | str, tuple[torch.Tensor, ...]] = {}  # activations of the last forward (keep)
-        self.grad_buf: dict[tuple[str, str], torch.Tensor] = {}  # one weight gradient per part, reused
         self.dense: dict[tuple[str, str], torch.Tensor] = {}  # projections no part covers (scope)
         for b in ("experts",) + (("shared",) if self.shared else ()):
             for proj in ("gate", "up", "down"):
@@ -222,35 +225,25 @@ class _Blocks:
             out = out + self.shared_out(ws, keep)
         return out
 
-    def backward(
-        self, grad: torch.Tensor, ws: WeightFn, sink: Callable[[str, str, int, torch.Tensor], None]
-    ) -> None:
-        """The gradients of the quantised weights given ``grad``, the gradient of the output of the last
-        forward (:func:`forward_both`, activations kept, the same weights ``ws``), one expert at a time:
-        ``sink(bank, proj, i, dL/dW)`` (a buffer reused for the next expert: use it before returning).
-        Written out as autograd computes it: with ``g`` the expert's output gradient (``grad[tok]`` times
-        its routing weight), ``dW_down = gᵀ h``, ``dh = g W_down``, autograd through the activation only
-        (``dh`` to the gate/up pre-activations), ``dW_gate = dgᵀ x_in`` (and up). Only the down weights
-        are decoded again; one expert's gradients are alive at a time."""
+    def backward(self, grad: torch.Tensor, ws: Decoded, grads: dict) -> None:
+        """Adds to ``grads`` (``{(bank, proj): [M, out, G, K]}``) the centroid gradients given ``grad``, the
+        gradient of the output of the last forward (:func:`forward_both`, activations kept, the same
+        centroids and codes ``ws``), one expert at a time. Written out as autograd computes it: with
+        ``g`` the expert's output gradient (``grad[tok]`` times its routing weight), ``dW_down = gᵀ h``,
+        ``dh = g W_down``, autograd through the activation only (``dh`` to the gate/up pre-activations),
+        ``dW_gate = dgᵀ x_in`` (and up); each ``dW`` goes to its centroids by :func:`mm_to_centroids`
+        (``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``). Only the down weights are decoded again."""
         for e, (tok, w) in self.routes.items():
-            self._one("experts", e, self.pos[e], grad[tok] * w, ws, sink)
+            self._one("experts", e, self.pos[e], grad[tok] * w, ws, grads)
         if self.shared:
             g = grad if self.shared_gate is None else grad * self.shared_gate
-            self._one("shared", "shared", 0, g, ws, sink)
+            self._one("shared", "shared", 0, g, ws, grads)
         self.saved = {}
 
-    def _grad_out(self, b: str, p: str, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """``a @ c`` into the part's reused gradient buffer."""
-        shape = (a.shape[0], c.shape[1])
-        buf = self.grad_buf.get((b, p))
-        if buf is None or buf.shape != shape:
-            buf = self.grad_buf[b, p] = torch.empty(shape, dtype=torch.promote_types(a.dtype, c.dtype))
-        return torch.mm(a, c, out=buf)
-
-    def _one(self, b: str, key: int | str, i: int, g: torch.Tensor, ws: WeightFn, sink) -> None:
+    def _one(self, b: str, key: int | str, i: int, g: torch.Tensor, ws: Decoded, grads: dict) -> None:
         xin, gp, up, h = self.saved[key]
         if (b, "down") in self.keys:
-            sink(b, "down", i, self._grad_out(b, "down", g.t(), h))
+            mm_to_centroids(grads[b, "down"][i], ws.codes[b, "down"][i], g.t(), h)
         need = [p for p in ("gate", "up") if (b, p) in self.keys]
         if not need:
             return
@@ -258,9 +251,9 @@ class _Blocks:
         pre = {"gate": gp.requires_grad_(True), "up": up.requires_grad_(True)}
         with torch.enable_grad():
             hid = _hidden(getattr(self.rotated, b), 0 if b == "shared" else key, pre["gate"], pre["up"])  # type: ignore[arg-type]
-            grads = torch.autograd.grad(hid, [pre[p] for p in need], g.mm(wd))
-        for p, dp in zip(need, grads):
-            sink(b, p, i, self._grad_out(b, p, dp.t(), xin))
+            dpre = torch.autograd.grad(hid, [pre[p] for p in need], g.mm(wd))
+        for p, dp in zip(need, dpre):
+            mm_to_centroids(grads[b, p][i], ws.codes[b, p][i], dp.t(), xin)
 
 
 def forward_both(fit: _Blocks | None, val: _Blocks, ws: Decoded) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -299,11 +292,6 @@ def part_slice(part: dict) -> tuple:
     return (idx, slice(None), live) if part["proj"] == "down" else (idx, live)
 
 
-def _to_centroids(grads: dict, codes: dict, b: str, p: str, i: int, g: torch.Tensor) -> None:
-    """Expert ``i``'s weight gradient ``g`` into its centroids' gradient: ``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``."""
-    scatter_to_centroids(grads[b, p][i], codes[b, p][i], g)
-
-
 def finetune(
     layer: MoELayer,
     rotated: MoELayer,
@@ -328,8 +316,8 @@ def finetune(
     their routed tokens only (the routing and everything the centroids do not change are computed once,
     :class:`_Blocks`); the weights are decoded per expert, once for the fit forward and the validation
     forward of the same state (:func:`forward_both`) and once more for the backward's down projection,
-    and each expert's weight gradient is scattered into its centroids (``∂L/∂C_ik = Σ_{j: k_ij = k}
-    ∂L/∂W_ij``); one reassignment of every weight.
+    and each expert's weight gradient goes to its centroids by blocks of rows (:func:`mm_to_centroids`,
+    ``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``); one reassignment of every weight.
     The router KL is a constant (the router and its input do not depend on the centroids: exactly 0 for
     codequant, which never changes them), so it is computed once.
 
@@ -377,7 +365,7 @@ def finetune(
         fit_first = float(loss.detach()) if fit_first is None else fit_first
         loss.backward()
         grads = {k: torch.zeros_like(p) for k, p in params.items()}
-        fit.backward(out.grad, Decoded(cur, codes, pool), functools.partial(_to_centroids, grads, codes))  # type: ignore[arg-type]
+        fit.backward(out.grad, Decoded(cur, codes, pool), grads)  # type: ignore[arg-type]
         for k, p in params.items():
             p.grad = grads[k]
         opt.step()

@@ -57,13 +57,15 @@ Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.s
 than 512 tokens). Cost per layer: the rotation (``rotation_steps`` Cayley steps, one ``H × H`` LU each), k-means
 of every row (``E·(2I + H)`` rows, sorted once: the sort also serves every reassignment), and per
 fine-tuning step the quantised experts' forward (no gradient; each expert's input and activations are
-kept), then each expert's backward on its own routed tokens given the block's output gradient, written
-out as autograd computes it, with no second forward (the routing, the rotated input and the protected
-experts' output are computed once; one expert's decoded weights and gradient are alive at a time, and
-the gradient is scattered into its centroids; codes are ``uint8``), an incremental reassignment (only
-the weights between a cluster cut's old and new position move) and a validation forward. At the peer
-benchmark's shapes (64 experts, H 1024, I 512, 384 + 128 tokens) a step costs about 1 CPU s (more than
-17 before the per-expert work, 2 before the kept activations).
+kept) together with the validation forward of the same centroids (one decode for both), then each
+expert's backward on its own routed tokens given the block's output gradient, written out as autograd
+computes it, with no second forward (the routing, the rotated input and the protected experts' output
+are computed once; one expert's decoded weights are alive at a time, its gradient a block of rows at a
+time, scattered into its centroids; codes are ``uint8``), and an incremental reassignment (only the
+weights between a cluster cut's old and new position move)
+(:mod:`~moecompress.methods.codebook_finetune`). At DeepSeek-V3's shapes (H 7168, I 2048, 64 routed
+tokens per expert) a step costs about 0.4 CPU s per expert and the k-means 6.7 s per expert
+(``benchmarks/codequant_step.py``).
 
 Example steps::
 
@@ -337,10 +339,10 @@ experts and steps (:class:`~moecompress.methods.codebook_finetune.Decoded`): :da
 per weight of one expert of each part. The rotated gate/up copy (layer dtype) and the k-means chunk
 (:data:`~moecompress.methods.kmeans.CHUNK_VALUES` values, about 10 float64 copies) come on top."""
 
-EXPERT_BYTES_PER_WEIGHT = 12
+EXPERT_BYTES_PER_WEIGHT = 8
 """The fine-tuning's buffers per weight of one expert of each part (a routed expert's projections, the
-shared expert's): its decoded float32 weights, the same from float16-rounded centroids (the validation
-forward's) and its weight gradient (4 + 4 + 4; the int64 index goes a block of rows at a time)."""
+shared expert's): its decoded float32 weights and the same from float16-rounded centroids (the
+validation forward's): 4 + 4. The int64 index and the weight gradient exist a block of rows at a time."""
 
 
 def _workspace(layer: MoELayer, cfg: CodequantConfig) -> int:
