@@ -35,7 +35,7 @@ write one process's bytes. Rounded from float64 they agree (``tests/test_distrib
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,7 +165,7 @@ def hessian_factor(h: torch.Tensor, damp: float, act_order: bool, root: bool = F
     if not root:
         return perm, inverse_hessian_factor(hp, damp)
     u, kept = inverse_hessian_factor(hp, damp, root=True)  # type: ignore[misc]
-    return perm, u, Root(kept.c, kept.shift, perm)
+    return perm, u, replace(kept, perm=perm)
 
 
 def gptq_quantize(
