@@ -303,6 +303,7 @@ def finetune(
     lr: float,
     kl_weight: float,
     routing: tuple[Routing, Routing] | None = None,
+    patience: int | None = None,
 ) -> dict:
     """Centroid fine-tuning (CodeQuant ACCF): Adam on the centroids of ``parts`` (``{(bank, proj): {"w":
     the (rotated) weights [M, out, in] of experts "ids" cut to "live" neurons, "cents", "codes", "scale"
@@ -320,6 +321,9 @@ def finetune(
     ``∂L/∂C_ik = Σ_{j: k_ij = k} ∂L/∂W_ij``); one reassignment of every weight.
     The router KL is a constant (the router and its input do not depend on the centroids: exactly 0 for
     codequant, which never changes them), so it is computed once.
+
+    ``patience``: stop after that many steps without a lower validation error (``steps_run`` in the
+    result): the kept centroids and codes are those of a run of ``steps_run`` steps.
 
     ``routing`` (the fit and validation tokens' :class:`Routing`): ``layer`` is a chunk of a layer's
     experts, which minimises the error of its own experts' part of the block's output (``Σ_{e in chunk}``;
@@ -348,6 +352,7 @@ def finetune(
     fit_first = fit_last = None
     denom = float((y_fit.double() ** 2).sum().clamp_min(1e-30)) / y_fit.numel()
     pool: dict = {}  # decode buffers, one per part and kind, reused by every step
+    last = 0  # the last state validated
     for step in range(steps + 1):  # state `step`: validated, then (but the last) stepped from
         cur = {k: v.detach() for k, v in params.items()}
         ws = Decoded(cur, codes, pool, rounded={k: v.half().float() for k, v in cur.items()})
@@ -358,7 +363,8 @@ def finetune(
             best = (err, {k: v.clone() for k, v in cur.items()}, step)
         if step == 0:
             start = err
-        if out is None:
+        last = step
+        if out is None or (patience is not None and step - best[2] >= patience):
             break
         out.requires_grad_(True)
         loss = ((out - y_fit) ** 2).mean() / denom
@@ -380,7 +386,7 @@ def finetune(
         p["cents"] = best[1][k]
         if best[2] == 0:
             p["codes"] = first_codes[k]
-        elif best[2] == steps:
+        elif best[2] == last:
             p["codes"] = codes[k]
         else:  # the same codes as that step's reassignment (a function of its centroids)
             p["codes"] = reassign(p["w"], best[1][k], p["scale"], rows[k])
@@ -388,6 +394,7 @@ def finetune(
         "val_error_kmeans": start,
         "val_error_final": best[0],
         "best_step": best[2],
+        "steps_run": last,
         "fit_loss_first": fit_first,
         "fit_loss_last": fit_last,
         "router_kl": kl_const,

@@ -29,7 +29,9 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
    last 1/4 are kept (the k-means result if no step improves). ``MoE`` is this step's input layer, so the
    pass chains after pruning. The router stays full precision and reads the same layer-local input, so
    the KL term is exactly 0 here (reported); it matters only when a step changes the router or its input.
-   ``finetune_steps: 0`` is the "k-means only" ablation.
+   ``finetune_steps: 0`` is the "k-means only" ablation. ``finetune_patience: N`` stops after ``N`` steps
+   without a lower held-back error (``steps_run`` in the report; the result is that of a run of that
+   many steps): off by default, it cuts the cost where the held-back error stops falling early.
 5. ``eval_act_bits`` (optional) stores an activation fake-quantiser in the output: every forward (and
    the fine-tuning) quantises the rotated gate/up input per token, as in the paper's A4W4 tables.
 
@@ -125,6 +127,9 @@ class CodequantConfig(PassConfig):
     rotation_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the rotation")
     kmeans_iters: int = Field(300, ge=1, description="Lloyd iterations at most")
     finetune_steps: int = Field(50, ge=0, description="centroid fine-tuning steps (0: k-means only)")
+    finetune_patience: int | None = Field(
+        None, ge=1, description="stop fine-tuning after this many steps without a lower held-back error"
+    )
     finetune_lr: float = Field(
         0.01, gt=0, description="Adam step, relative to the projection's mean |weight|"
     )
@@ -268,6 +273,8 @@ def merge_codequant(infos: list[dict], bnds: list[tuple[int, int]], cfg: Codequa
         pairs = [(v, k) for v, k in zip(vals, n) if v is not None and k]
         out[key] = sum(v * k for v, k in pairs) / sum(k for _, k in pairs) if pairs else None
     out["best_step_per_chunk"] = [i.get("best_step") for i in infos]
+    out["steps_run_per_chunk"] = [i.get("steps_run") for i in infos]
+    out["steps_run"] = max((i.get("steps_run") or 0 for i, k in zip(infos, n) if k), default=0)
     out["best_step"] = max((i.get("best_step") or 0 for i, k in zip(infos, n) if k), default=0)
     out["router_kl"] = 0.0
     return out
@@ -280,7 +287,7 @@ def summarize_codequant(infos: dict[int, dict], cfg: CodequantConfig) -> dict:
     after = sum(infos[i]["bytes_after"] for i in layers)
     params = sum(infos[i]["routed_params"] for i in layers)
     keys = ("act_error_unrotated", "act_error_hadamard", "act_error_learned", "val_error_kmeans", "val_error_final",
-            "best_step", "router_kl")  # fmt: skip
+            "best_step", "steps_run", "router_kl")  # fmt: skip
     per_layer = {str(i): {k: infos[i][k] for k in keys if k in infos[i]} for i in layers}
     warnings = [
         f"layer {i}: centroid fine-tuning did not improve the held-back error; kept the k-means codebooks"
@@ -418,6 +425,7 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
             lr=cfg.finetune_lr,
             kl_weight=cfg.kl_weight,
             routing=routing,
+            patience=cfg.finetune_patience,
         )
     )
     new: dict[str, dict] = {"experts": {}, "shared": {}}
