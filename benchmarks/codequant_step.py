@@ -49,15 +49,15 @@ def _legacy(rev: str):
     return mod
 
 
-def _layer(n: int, g: torch.Generator) -> MoELayer:
+def _layer(n: int, g: torch.Generator, hid: int = HID, wid: int = WID) -> MoELayer:
     w = {
-        "gate": torch.randn(n, WID, HID, generator=g) * 0.02,
-        "up": torch.randn(n, WID, HID, generator=g) * 0.02,
-        "down": torch.randn(n, HID, WID, generator=g) * 0.02,
+        "gate": torch.randn(n, wid, hid, generator=g) * 0.02,
+        "up": torch.randn(n, wid, hid, generator=g) * 0.02,
+        "down": torch.randn(n, hid, wid, generator=g) * 0.02,
     }
     spec = RouterSpec(num_experts=n, top_k=1, gating=Gating.SOFTMAX_TOPK, norm_topk=True)
     bank = ExpertBank(*(Dense(w[p].bfloat16()) for p in ("gate", "up", "down")))
-    return MoELayer(0, spec, (torch.randn(n, HID, generator=g) * 0.02).bfloat16(), bank)
+    return MoELayer(0, spec, (torch.randn(n, hid, generator=g) * 0.02).bfloat16(), bank)
 
 
 def _parts(layer: MoELayer) -> dict:
@@ -69,7 +69,7 @@ def _parts(layer: MoELayer) -> dict:
         cents, codes, rows = codebooks.cluster(
             w, 4, w.shape[2], iters=300, seed=0, keep_sorted=True, seeds=seeds
         )
-        parts["experts", name] = {"proj": name, "ids": ids, "live": WID, "w": w, "cents": cents,
+        parts["experts", name] = {"proj": name, "ids": ids, "live": layer.experts.width, "w": w, "cents": cents,
                                   "codes": codes, "scale": None, "rows": rows}  # fmt: skip
     return parts
 
@@ -90,14 +90,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--legacy", default=None, help="git revision of the code to compare with")
     ap.add_argument("--experts", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=HID, help="H (the peer benchmark's: 1024)")
+    ap.add_argument("--width", type=int, default=WID, help="I (the peer benchmark's: 512)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    layer = _layer(args.experts, g)
-    x = torch.randn(args.tokens, HID, generator=g)
+    layer = _layer(args.experts, g, args.hidden, args.width)
+    x = torch.randn(args.tokens, args.hidden, generator=g)
     n_fit = (3 * args.tokens) // 4
     x_fit, x_val = x[:n_fit], x[n_fit:]
     t0 = time.process_time()
@@ -112,7 +114,7 @@ def main() -> None:
                 t, info, p = _run(mod, layer, parts, x_fit, x_val, steps)
                 times[name][steps].append(t)
                 results[name, steps] = (info, p)
-    out: dict = {"experts": args.experts, "tokens": args.tokens, "steps": args.steps, "repeat": args.repeat,
+    out: dict = {"experts": args.experts, "hidden": args.hidden, "width": args.width, "tokens": args.tokens, "steps": args.steps, "repeat": args.repeat,
                  "kmeans_per_expert_s": kmeans_s, "threads": torch.get_num_threads(),
                  "legacy": args.legacy}  # fmt: skip
     for name in mods:

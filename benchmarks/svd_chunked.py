@@ -4,7 +4,8 @@ layers held by chunks of a quarter of the experts (``expert_chunk: E/4``), for e
 - ``--step svd_experts`` (default): ``svd_experts {ratio: 0.4}`` with ``ranks: balanced`` (each chunk spends
   its share of the layer's total rank; before 2026-12-05 (fifth session) its own budget ⌊c·M_chunk⌋) and ``ranks: uniform`` (byte-identical);
 - ``--step codequant``: ``codequant {bits: 4}`` with the default fine-tuning (each chunk fitted on its own
-  experts' part of the block output) and with ``finetune_steps: 0`` (k-means only, byte-identical);
+  experts' part of the block output), with ``finetune_steps: 0`` (k-means only, byte-identical) and, with
+  ``--patience N``, with ``finetune_patience: N``;
 - ``--step tdmoe``: ``tdmoe {ratio: 0.4}`` (HOSVD, input whitening): whole layers through tensorly's HOSVD of
   the stacked experts, chunks in two phases (the whitened mode Grams summed over the chunks, the factors
   fitted once, each chunk's cores projected).
@@ -55,6 +56,7 @@ def _codequant_errors(rep: dict) -> dict:
     mean = {k: sum(v.get(k) or 0.0 for v in per.values()) / max(len(per), 1)
             for k in ("val_error_kmeans", "val_error_final")}  # fmt: skip
     return {**{f"mean_{k}": v for k, v in mean.items()}, "best_steps": [v.get("best_step") for v in per.values()],
+            "steps_run": [v.get("steps_run") for v in per.values()],
             "routed_bits_per_param": rep["summary"]["routed_bits_per_param"]}  # fmt: skip
 
 
@@ -82,7 +84,10 @@ STEPS = {
     ),
     "codequant": (
         lambda args: {"finetune": {"codequant": {"bits": args.bits}},
-                      "kmeans": {"codequant": {"bits": args.bits, "finetune_steps": 0}}},
+                      "kmeans": {"codequant": {"bits": args.bits, "finetune_steps": 0}},
+                      **({f"patience{args.patience}": {"codequant": {"bits": args.bits,
+                                                                    "finetune_patience": args.patience}}}
+                         if args.patience else {})},
         "variant", _codequant_errors,
     ),
     "tdmoe": (lambda args: {"hosvd": {"tdmoe": {"ratio": args.ratio}}}, "variant", _tucker_errors),
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--step", choices=sorted(STEPS), default="svd_experts")
     ap.add_argument("--ratio", type=float, default=0.4, help="svd_experts, tdmoe: the ratio")
     ap.add_argument("--bits", type=int, default=4, help="codequant: the bits")
+    ap.add_argument("--patience", type=int, default=None, help="codequant: also a variant with finetune_patience")
     ap.add_argument("--merge-ratio", type=float, default=0.25, help="namex, merge_experts: the ratio")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--holdout", type=int, default=8)
@@ -173,7 +179,7 @@ def main() -> None:
                        **extra(rep)}  # fmt: skip
                 res["rows"][f"{ranks}-{label}"] = row
                 more = {k: v for k, v in row.items()
-                        if k in ("total_rank", "mean_val_error_final", "best_steps", "mean_whitened_rel_error",
+                        if k in ("total_rank", "mean_val_error_final", "best_steps", "steps_run", "mean_whitened_rel_error",
                                  "mean_rel_error_held", "layers_refined")}  # fmt: skip
                 print(f"{name} {ranks} {label}: {row['expert_bytes']} B, KL {row['kl']:.5f}, ppl "
                       f"{row['perplexity']:.3f}, {more}, {wall:.1f} s + eval "

@@ -154,14 +154,17 @@ def test_patience_stops_early_and_keeps_what_a_run_of_that_many_steps_keeps():
     base = {"bits": 2, "rotation": "none", "finetune_steps": 40}
     early, info = codequant(layer, stats, CodequantConfig(**base, finetune_patience=2))
     assert info["steps_run"] < 40 and info["steps_run"] - info["best_step"] == 2, info
-    short, info_s = codequant(layer, stats, CodequantConfig(**{**base, "finetune_steps": info["steps_run"]}))
+    short, info_s = codequant(
+        layer, stats, CodequantConfig(**{**base, "finetune_steps": info["steps_run"]}, finetune_patience=None)
+    )
     assert info_s["steps_run"] == info["steps_run"]
     for k in ("val_error_kmeans", "val_error_final", "best_step", "fit_loss_last"):
         assert info[k] == info_s[k], k
     for name in ("gate", "up", "down"):
         ta, tb = getattr(early.experts, name).tensors(), getattr(short.experts, name).tensors()
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
-    assert codequant(layer, stats, CodequantConfig(**base))[1]["steps_run"] == 40  # no patience: every step
+    every = codequant(layer, stats, CodequantConfig(**base, finetune_patience=None))[1]
+    assert every["steps_run"] == 40  # no patience: every step
 
 
 def test_auto_rotation_is_learned_only_where_activations_are_quantised():

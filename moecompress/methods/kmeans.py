@@ -118,11 +118,12 @@ class SortedRows:
             return self.assign(centroids)
         if total:  # a value between cut j's old and new position: cluster j + (new cut <= its position)
             cuts = bounds.shape[1]
-            row = torch.arange(n_rows, device=lo.device).repeat_interleave(cuts).repeat_interleave(lengths)
-            first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-            pos = lo.flatten().repeat_interleave(lengths) + torch.arange(total, device=lo.device) - first
-            cut = torch.arange(cuts, device=lo.device).repeat(n_rows).repeat_interleave(lengths)
-            rank = cut + (bounds.flatten().repeat_interleave(lengths) <= pos)
+            # each moving value's (row, cut) range, expanded once; the rest is read through it
+            seg = torch.repeat_interleave(torch.arange(n_rows * cuts, device=lo.device), lengths, output_size=total)
+            first = (lengths.cumsum(0) - lengths)[seg]
+            pos = lo.flatten()[seg] + torch.arange(total, device=lo.device) - first
+            row, cut = seg // cuts, seg % cuts
+            rank = cut + (bounds.flatten()[seg] <= pos)
             dest = row * n + self.perm.view(-1)[row * n + pos].long()
             self.codes.view(-1)[dest] = order.view(-1)[row * (cuts + 1) + rank].to(self.code_dtype)
         redo = whole.nonzero()[:, 0]

@@ -29,9 +29,10 @@ CodeQuant (arXiv 2604.10496, ICLR 2026), adapted to one MoE layer at a time:
    last 1/4 are kept (the k-means result if no step improves). ``MoE`` is this step's input layer, so the
    pass chains after pruning. The router stays full precision and reads the same layer-local input, so
    the KL term is exactly 0 here (reported); it matters only when a step changes the router or its input.
-   ``finetune_steps: 0`` is the "k-means only" ablation. ``finetune_patience: N`` stops after ``N`` steps
-   without a lower held-back error (``steps_run`` in the report; the result is that of a run of that
-   many steps): off by default, it cuts the cost where the held-back error stops falling early.
+   ``finetune_steps: 0`` is the "k-means only" ablation. ``finetune_patience`` (10) stops after that many
+   steps without a lower held-back error (``steps_run`` in the report; the result is that of a run of
+   that many steps; ``null``: every step). On whole layers of both reference models it wrote the same
+   bytes as all 50 steps, stopping after 14–29 (``benchmarks/RESULTS.md``, 2026-12-05 fifth session).
 5. ``eval_act_bits`` (optional) stores an activation fake-quantiser in the output: every forward (and
    the fine-tuning) quantises the rotated gate/up input per token, as in the paper's A4W4 tables.
 
@@ -128,7 +129,7 @@ class CodequantConfig(PassConfig):
     kmeans_iters: int = Field(300, ge=1, description="Lloyd iterations at most")
     finetune_steps: int = Field(50, ge=0, description="centroid fine-tuning steps (0: k-means only)")
     finetune_patience: int | None = Field(
-        None, ge=1, description="stop fine-tuning after this many steps without a lower held-back error"
+        10, ge=1, description="stop fine-tuning after this many steps without a lower held-back error (null: never)"
     )
     finetune_lr: float = Field(
         0.01, gt=0, description="Adam step, relative to the projection's mean |weight|"
