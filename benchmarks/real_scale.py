@@ -42,7 +42,7 @@ GiB = 1024**3
 CAL = {"source": "random", "samples": 128, "seq_len": 512}
 STEPS = {"heapr": {"ratio": 0.25}, "expert_prune": {"ratio": 0.25}, "rtn": {"bits": 4}, "identity": {},
          "gptq": {"bits": 4, "group_size": 128}, "svd_experts": {"ratio": 0.4}, "tdmoe": {"ratio": 0.4},
-         "namex": {"ratio": 0.25}, "merge_experts": {"ratio": 0.25}, "codequant": {"bits": 4, "finetune_steps": 0, "shared": False}}
+         "namex": {"ratio": 0.25}, "merge_experts": {"ratio": 0.25}, "codequant": {"bits": 4, "shared": False}}
 
 
 def _meta_shapes(model_type: str, **cfg) -> tuple[object, dict[str, tuple[int, ...]]]:
