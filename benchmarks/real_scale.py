@@ -356,7 +356,10 @@ def deepseek_run(root: Path, steps: list[str], moe_layers: int, chunk: str, limi
             continue
         written = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         report = json.loads((out / "report.json").read_text())
+        step_reports = [json.loads(f.read_text()) for f in sorted(out.glob("steps/*/report.json"))]
+        per_layer = [r.get("summary", {}).get("per_layer") for r in step_reports]  # e.g. codequant's steps run
         print(json.dumps({**line, "chunks": report["dry_run"].get("expert_chunk"), "peak_rss_gib": round(m["peak"] / GiB, 2),
+                          "per_layer": [p for p in per_layer if p],
                           "step_estimate_gib": round(max(v["bytes"] for v in report["dry_run"]["step_memory"].values()) / GiB, 2),
                           "run_estimate_gib": round(run_estimate(report["dry_run"]) / GiB, 2),
                           "wall_s": round(m["wall_s"], 1), "cpu_s": round(m["cpu_s"], 1), "sys_s": round(m.get("sys_s", 0), 1),
