@@ -116,7 +116,7 @@ def main() -> None:
                 results[name, steps] = (info, p)
     out: dict = {"experts": args.experts, "hidden": args.hidden, "width": args.width, "tokens": args.tokens, "steps": args.steps, "repeat": args.repeat,
                  "kmeans_per_expert_s": kmeans_s, "threads": torch.get_num_threads(),
-                 "legacy": args.legacy}  # fmt: skip
+                 "legacy_rev": args.legacy}  # fmt: skip
     for name in mods:
         out[name] = {}
         for i, kind in enumerate(("", "wall_")):  # CPU seconds, then wall seconds
