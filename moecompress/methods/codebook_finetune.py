@@ -68,9 +68,10 @@ def mm_to_centroids(grad: torch.Tensor, codes: torch.Tensor, a: torch.Tensor, c:
     ``a @ c`` (``a`` ``[out, T]``, ``c`` ``[T, in]``) into its centroids' gradient ``[out, G, K]``, a block of
     rows at a time: the block's product is scattered while in cache, and the whole ``[out, in]`` gradient
     never exists (each row summed in the order of its inputs, as one ``scatter_add_`` does)."""
-    rows = max(1, min(codes.shape[0], DECODE_VALUES // max(codes.shape[1], 1)))
-    buf = torch.empty(rows, c.shape[1], dtype=torch.promote_types(a.dtype, c.dtype), device=c.device)
+    buf = None  # sized by the first block, the largest
     for r0, r1, block in _row_blocks(codes, grad.shape[1]):
+        if buf is None:
+            buf = torch.empty(r1 - r0, c.shape[1], dtype=torch.promote_types(a.dtype, c.dtype), device=c.device)
         w = torch.mm(a[r0:r1], c, out=buf[: r1 - r0])
         grad[r0:r1].scatter_add_(2, block, w.view(block.shape))
 
