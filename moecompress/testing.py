@@ -86,6 +86,34 @@ TINY: dict[str, dict] = {
 }
 MODEL_TYPES = sorted(TINY)
 
+VLLM_TINY = {
+    "deepseek_v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_key_value_heads": 4},
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_key_value_heads": 4,
+                    "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    "qwen2_moe": {"num_attention_heads": 2},
+    "olmoe": {"num_attention_heads": 2},
+}  # fmt: skip
+"""Overrides of :data:`TINY` for a tiny model that vLLM's CPU build runs (default: ``head_dim=32``; see
+:func:`vllm_tiny`). vLLM's CPU attention has no kernel for head_dim 16 (the tiny default): head_dim 32, or
+half the heads where the config derives it. Its CPU MLA decode kernel runs only kv_lora_rank 512 +
+qk_rope_head_dim 64 (DeepSeek's real sizes). vLLM's DeepSeek-V3 routes as transformers' only with the real
+config's ``topk_method`` and ``scoring_func``."""
+
+
+def vllm_tiny(model_type: str) -> dict:
+    """:data:`VLLM_TINY`'s overrides for ``model_type`` (``max_position_embeddings`` 256 included)."""
+    return {"max_position_embeddings": 256, **VLLM_TINY.get(model_type, {"head_dim": 32})}
+
+
+def vllm_engine_args(config: dict) -> dict:
+    """Extra ``vllm.LLM`` arguments for a model whose ``config.json`` is ``config`` on vLLM's CPU build: for
+    DeepSeek's MLA the ``CPU_MLA`` backend (AMX MLA takes bfloat16 only) and PyTorch's rotary embedding
+    (vLLM 0.32's CPU op is wrong on the ``[tokens, heads, dim]`` queries MLA passes, right on
+    ``[tokens, heads * dim]``; ``docs/serving.md``)."""
+    if "kv_lora_rank" not in config:
+        return {}
+    return {"attention_backend": "CPU_MLA", "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
 
 def tiny_config(model_type: str, **overrides):
     """A transformers config of ``model_type`` with tiny sizes; ``overrides`` replace any key."""

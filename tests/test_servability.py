@@ -128,8 +128,15 @@ def test_config_keys_and_group_limited_routers():
     assert vllm_servable(t5)[0], "transformers 5 writes num_local_experts, an alias of Qwen's num_experts"
     assert "no 'num_experts'" in vllm_servable({k: v for k, v in QWEN.items() if k != "num_experts"})[1]
     ds = {"model_type": "deepseek_v3", "hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 12,
-          "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2}  # fmt: skip
+          "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # fmt: skip
     assert vllm_servable(ds)[0]
+    no_method = {k: v for k, v in ds.items() if k != "topk_method"}
+    assert "builds no e_score_correction_bias" in vllm_servable(no_method)[1], "vLLM's KeyError on the bias"
+    assert "routes by softmax" in vllm_servable({**ds, "scoring_func": "softmax"})[1], "vLLM's default scoring"
+    assert vllm_servable({**ds, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, platform="cpu")[0]
+    why = vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="cpu")[1]
+    assert "= 48: vLLM's CPU MLA attention runs only 576" in why
+    assert vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="gpu")[0], "a CPU rule"
     assert "n_group=4" in vllm_servable({**ds, "n_routed_experts": 14})[1]
     assert "topk_group=2" in vllm_servable({**ds, "n_routed_experts": 4, "num_experts_per_tok": 3})[1]
     with pytest.raises(ValueError, match="platform"):

