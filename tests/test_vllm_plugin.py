@@ -37,7 +37,8 @@ LAYOUTS = {
     "rtn4": [{"rtn": {"bits": 4, "group_size": 16}}],
     "gptq4": [{"gptq": {"bits": 4}}],
     "heapr-ragged": [{"heapr": {"ratio": 0.4, "scope": "global"}}],
-    # shared: false: moecompress.vllm does not serve a compressed shared expert yet (DeepSeek's; refused at load)
+    "codequant4-shared": [{"codequant": {"bits": 4, "finetune_steps": 0}}],  # the default: the shared expert too
+    # shared: false below: a rotated shared expert is not served (refused at load)
     "codequant4-rotated": [  # Hadamard rotation; the super expert found is stored exactly and reads x unrotated
         {"protect_super_experts": {}},
         {"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard", "shared": False}},
@@ -68,7 +69,8 @@ CASES = [(mt, name) for mt in ("qwen3_moe", "deepseek_v3", "gpt_oss") for name i
     (mt, name)
     for mt in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v2")  # deepseek_v2: DeepSeek-V3's loader, another router
     for name in ("heapr-ragged", "rtn4-protected" if mt == "mixtral" else "gptq4")
-]  # vLLM names Mixtral's block block_sparse_moe: the names are mapped
+] + [("qwen2_moe", "codequant4-shared"), ("deepseek_v2", "codequant4-shared")]  # compressed shared experts
+# (vLLM names Mixtral's block block_sparse_moe: the names are mapped)
 # The reference models of ../shared (trained, so routing is not random): every layout on ref-qwen3moe,
 # two on ref-mixtral; skipped where ../shared is absent.
 SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
@@ -141,8 +143,11 @@ def test_inspect_says_the_plugin_serves_moecompress_layouts_on_the_cpu_build():
     phi = {**QWEN3, "model_type": "phimoe", "num_local_experts": 8}
     ok, why = vllm_servable(phi, {1: _desc("rtn")}, platform="cpu")
     assert not ok and "phimoe is not checked" in why
-    ok, why = vllm_servable(QWEN3, {0: _desc(shared={})}, platform="cpu")
-    assert not ok and "compressed shared experts (layers [0])" in why
+    plain = {"num_experts": 1, "act": "swiglu", "biases": [], "experts": {}}
+    ok, why = vllm_servable(QWEN3, {0: _desc(shared=plain)}, platform="cpu")
+    assert ok and "shared experts of layers [0] decoded to dense weights at load" in why
+    ok, why = vllm_servable(QWEN3, {0: _desc(shared={**plain, "rotation": "float32"})}, platform="cpu")
+    assert not ok and "does not serve (layers [0]: its rotation)" in why
     routed = {**QWEN3, "moecompress": {"routing": {"0": {"capacity_drop": {}}}}}
     ok, why = vllm_servable(routed, {}, platform="cpu")
     assert not ok and "quant_method 'moecompress' (routing policies)" in why and "refuses them" in why
@@ -301,8 +306,10 @@ def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode)
     block = cfg["moecompress"]
     if name == "rtn4-protected":
         assert any("dense" in d["experts"]["gate"]["tensors"] for d in block["layers"].values())
-    if name.startswith("codequant"):
+    if name in ("codequant4-rotated", "codequant4-a4"):
         assert all(d.get("rotation") for d in block["layers"].values()), "the bank rotates its input"
+    if name == "codequant4-shared" and model_type in ("qwen2_moe", "deepseek_v2", "deepseek_v3"):
+        assert all(d["shared"]["experts"]["gate"]["kind"] == "codebook" for d in block["layers"].values())
     if name == "codequant4-a4":
         assert all(d.get("act_bits") == 4 for d in block["layers"].values())
     want = transformers_greedy(path)
@@ -344,13 +351,14 @@ def test_an_architecture_not_checked_is_refused_with_one_line(outputs):
 
 
 @pytest.mark.slow
-def test_a_compressed_shared_expert_is_refused_with_one_line(outputs, tmp_path):
-    """codequant's default also encodes DeepSeek's shared expert, which the plugin does not serve yet."""
+def test_a_rotated_shared_expert_is_refused_with_one_line(outputs, tmp_path):
+    """A shared expert is served as dense weights decoded at load: one that rotates its input is refused."""
     import moecompress as mc
 
     out = tmp_path / "shared"
     mc.apply({"model": str(outputs("deepseek_v3")), "output": str(out),
               "calibration": {"source": "random", "samples": 8, "seq_len": 16},
-              "steps": [{"codequant": {"bits": 4, "finetune_steps": 0}}]}, progress=False)  # fmt: skip
-    with pytest.raises(AssertionError, match="stores a compressed shared expert"):
+              "steps": [{"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard"}}]}, progress=False)  # fmt: skip
+    assert "rotation" in json.loads((out / "config.json").read_text())["moecompress"]["layers"]["1"]["shared"]
+    with pytest.raises(AssertionError, match=r"shared expert \(moecompress.layers.1.shared\) is not served.*rotation"):
         run_vllm(out, "eager", PROMPTS[:1], 2)

