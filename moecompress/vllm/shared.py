@@ -29,6 +29,7 @@ from torch import nn
 from vllm.model_executor.layers.linear import LinearMethodBase
 
 from moecompress.runtime.quantizer import CompressedShared
+from moecompress.vllm.params import frozen_parameters
 
 ATTR = "moecompress"
 
@@ -73,8 +74,6 @@ class SharedLinearMethod(LinearMethodBase):
                        params_dtype, **extra_weight_attrs):  # fmt: skip
         if self.role != "down":
             return
-        from moecompress.vllm.plugin import frozen_parameters
-
         module = CompressedShared(self.slot.desc, self.slot.hidden, self.slot.field)
         frozen_parameters(module, layer.prefix if hasattr(layer, "prefix") else self.slot.field, self.slot.field)
         layer.add_module(ATTR, module)
