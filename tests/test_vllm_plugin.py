@@ -337,16 +337,3 @@ def test_an_architecture_not_checked_is_refused_with_one_line(outputs):
     with pytest.raises(AssertionError, match=r"serves moecompress layouts of .*not phimoe"):
         run_vllm(path, "eager", PROMPTS[:1], 2)
 
-
-@pytest.mark.slow
-def test_a_rotated_shared_expert_is_refused_with_one_line(outputs, tmp_path):
-    """A shared expert is served as dense weights decoded at load: one that rotates its input is refused."""
-    import moecompress as mc
-
-    out = tmp_path / "shared"
-    mc.apply({"model": str(outputs("deepseek_v3")), "output": str(out),
-              "calibration": {"source": "random", "samples": 8, "seq_len": 16},
-              "steps": [{"codequant": {"bits": 4, "finetune_steps": 0, "rotation": "hadamard"}}]}, progress=False)  # fmt: skip
-    assert "rotation" in json.loads((out / "config.json").read_text())["moecompress"]["layers"]["1"]["shared"]
-    with pytest.raises(AssertionError, match=r"shared expert \(moecompress.layers.1.shared\) is not served.*rotation"):
-        run_vllm(out, "eager", PROMPTS[:1], 2)

@@ -193,7 +193,8 @@ def _shape_rules(cfg: dict, mt: str) -> str | None:
 def shared_refusal(desc: dict[str, Any]) -> str | None:
     """Why ``moecompress.vllm`` cannot serve a layer's stored shared expert (``desc["shared"]``): it serves
     one as dense weights decoded at load, so an online rotation, quantised activations, biases or an
-    activation other than SwiGLU are refused. ``None``: it serves."""
+    activation other than SwiGLU are refused (no built-in pass writes such a shared expert today: codequant
+    rotates and quantises the activations of the routed bank only). ``None``: it serves."""
     bad = [k for k in ("rotation", "act_bits") if desc.get(k)]
     if desc.get("biases"):
         bad.append("biases")
