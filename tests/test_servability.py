@@ -137,6 +137,10 @@ def test_config_keys_and_group_limited_routers():
     why = vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="cpu")[1]
     assert "= 48: vLLM's CPU MLA attention runs only 576" in why
     assert vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="gpu")[0], "a CPU rule"
+    oss = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64, "num_local_experts": 8,
+           "num_experts_per_tok": 2}  # fmt: skip
+    assert "no unquantised MoE backend" in vllm_servable(oss, platform="cpu")[1], "measured: stock fails to load"
+    assert vllm_servable(oss, platform="gpu")[0]
     assert "n_group=4" in vllm_servable({**ds, "n_routed_experts": 14})[1]
     assert "topk_group=2" in vllm_servable({**ds, "n_routed_experts": 4, "num_experts_per_tok": 3})[1]
     with pytest.raises(ValueError, match="platform"):

