@@ -35,7 +35,7 @@ def main() -> None:
 
     def spy(x: torch.Tensor, bits: int) -> torch.Tensor:
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        v = (x - lo) / ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)
+        v = ((x - lo) / ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)).detach()
         closest["step"] = min(closest["step"], float(((v - v.floor()) - 0.5).abs()[..., -1:, :].min()))
         return quantise(x, bits)
 
