@@ -11,7 +11,7 @@ Its quantization method reaches those two linear layers only, so the shared expe
 - after loading, the three projections are decoded once into dense weights in the activations' dtype
   (the gate/up rows of a ragged expert cut to its live width); ``gate_up_proj`` returns ``x @ [gate; up]ᵀ``,
   ``down_proj`` ``h @ downᵀ``. So vLLM serves the shared expert's values exactly, at a dense expert's
-  memory: its stored bytes are not saved at serving time.
+  memory plus its stored tensors (kept: weight tracking covers them): one expert per layer.
 
 Refused at load with one line (:func:`moecompress.io.servability.shared_refusal`): a shared expert with an
 online rotation or quantised activations (the dense weights would need them folded in), biases, or an
@@ -42,17 +42,18 @@ class SharedSlot:
     hidden: int
     field: str
     module: CompressedShared | None = None
+    dtype: torch.dtype = torch.float32  # vLLM's params_dtype, the activations'
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def decode(self, dtype: torch.dtype) -> None:
-        """The dense ``gate_up`` ``[2w, H]`` and ``down`` ``[H, w]`` weights (``w``: the live width)."""
+    def decode(self) -> None:
+        """The dense ``gate_up`` ``[2w, H]`` and ``down`` ``[H, w]`` weights (``w``: the live width), once."""
         if self.weights:
             return
         bank, _ = self.module.bank()
-        width = int(bank.widths[0]) if bank.widths is not None else bank.gate.dense().shape[1]
         gate, up, down = (getattr(bank, p).dense()[0] for p in ("gate", "up", "down"))
-        self.weights["gate_up"] = torch.cat([gate[:width], up[:width]]).to(dtype).contiguous()
-        self.weights["down"] = down[:, :width].to(dtype).contiguous()
+        width = int(bank.widths[0]) if bank.widths is not None else gate.shape[0]
+        self.weights["gate_up"] = torch.cat([gate[:width], up[:width]]).to(self.dtype).contiguous()
+        self.weights["down"] = down[:, :width].to(self.dtype).contiguous()
 
 
 def shared_rename(keys) -> dict[re.Pattern, str]:
@@ -77,13 +78,12 @@ class SharedLinearMethod(LinearMethodBase):
         module = CompressedShared(self.slot.desc, self.slot.hidden, self.slot.field)
         frozen_parameters(module, layer.prefix if hasattr(layer, "prefix") else self.slot.field, self.slot.field)
         layer.add_module(ATTR, module)
-        self.slot.module = module
-        self.dtype = params_dtype
+        self.slot.module, self.slot.dtype = module, params_dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Decode the three projections once (whichever of the two layers comes first) and keep this layer's
         dense weight as a buffer of its own (what compiled graphs read)."""
-        self.slot.decode(torch.get_default_dtype())
+        self.slot.decode()
         layer.register_buffer(f"{ATTR}_weight", self.slot.weights[self.role], persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
