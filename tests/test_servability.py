@@ -9,7 +9,7 @@ import pytest
 from tiny import save_tiny
 
 import moecompress as mc
-from moecompress.io.servability import vllm_servable
+from moecompress.io.servability import CPU_MLA_ARGS, vllm_servable
 from moecompress.io.verify import read_block
 from moecompress.tools.inspect import format_report, inspect_checkpoint
 
@@ -133,7 +133,9 @@ def test_config_keys_and_group_limited_routers():
     no_method = {k: v for k, v in ds.items() if k != "topk_method"}
     assert "builds no e_score_correction_bias" in vllm_servable(no_method)[1], "vLLM's KeyError on the bias"
     assert "routes by softmax" in vllm_servable({**ds, "scoring_func": "softmax"})[1], "vLLM's default scoring"
-    assert vllm_servable({**ds, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, platform="cpu")[0]
+    ok, why = vllm_servable({**ds, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, platform="cpu")
+    assert ok and why.endswith(CPU_MLA_ARGS) and "-rotary_embedding" in why, "the arguments that make it right"
+    assert CPU_MLA_ARGS not in vllm_servable({**ds, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, platform="gpu")[1]
     why = vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="cpu")[1]
     assert "= 48: vLLM's CPU MLA attention runs only 576" in why
     assert vllm_servable({**ds, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, platform="gpu")[0], "a CPU rule"

@@ -78,6 +78,22 @@ def vllm_servable(
     ``moecompress`` block (``moecompress.io.verify.read_block``), which only name what vLLM cannot read."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    ok, why = _servable(raw_config, descs, platform)
+    cfg = raw_config.get("text_config") if ok and isinstance(raw_config.get("text_config"), dict) else raw_config
+    if ok and platform == "cpu" and isinstance(cfg, dict) and "kv_lora_rank" in cfg:
+        why += CPU_MLA_ARGS
+    return ok, why
+
+
+CPU_MLA_ARGS = (
+    "; on the CPU build pass LLM(..., attention_backend=\"CPU_MLA\", compilation_config={\"custom_ops\": "
+    "[\"-rotary_embedding\"]}) (AMX MLA takes bfloat16 only; vLLM 0.32's CPU rotary op is wrong on MLA's "
+    "queries: docs/serving.md)"
+)
+"""What a DeepSeek (MLA) verdict on vLLM's CPU build adds: the arguments that make it right there."""
+
+
+def _servable(raw_config: dict[str, Any] | None, descs: dict[int, Any] | None, platform: str) -> tuple[bool, str]:
     if not isinstance(raw_config, dict):
         return False, "config.json is missing or not an object"
     cfg = raw_config.get("text_config") if isinstance(raw_config.get("text_config"), dict) else raw_config
