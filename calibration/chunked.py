@@ -112,12 +112,16 @@ class ChunkedLayer:
 
     def chunks(self, check: bool):
         """``(first expert, bank)`` for every chunk, each read (and checked) when it is reached."""
-        for a, b in self.ranges:
-            bank = self.skel.ckpt.read_experts(self.i, a, b)
-            if check:
-                check_bank_finite(self.i, bank, first=a)
-            yield a, ready_bank(bank, self.dtype, self.device)
-            del bank
+        for k in range(len(self.ranges)):
+            yield self.chunk(k, check)
+
+    def chunk(self, k: int, check: bool) -> tuple[int, ExpertBank]:
+        """``(first expert, bank)`` of chunk ``k``, read (and checked) now."""
+        a, b = self.ranges[k]
+        bank = self.skel.ckpt.read_experts(self.i, a, b)
+        if check:
+            check_bank_finite(self.i, bank, first=a)
+        return a, ready_bank(bank, self.dtype, self.device)
 
     def module(self) -> nn.Module:
         return self.skel.layer(self.i, block=self.recorder)

@@ -30,6 +30,10 @@ expert. A layer calibrated by chunks of experts keeps their float64 sums for the
 its chunk-outer sweep is done they are finished and handed out (:meth:`StatsCollector.spill`) to be
 written apart (``calibration/cache.py``, :func:`~moecompress.calibration.cache.save_experts`)."""
 
+PER_EXPERT = ("act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "expert_out_norm_mean", "reap_saliency",
+              "down_in_cov", "grad_sq_mean")  # fmt: skip
+"""The sums with one row per expert (what :meth:`StatsCollector.expert_rows` moves between ranks)."""
+
 IMPLIED = (
     ("expert_out_gram", "io_sample"),
     ("expert_out_gram_fisher", "out_grad_cov"),
@@ -409,6 +413,37 @@ class StatsCollector:
                 best, chan = self._absmax[name]
                 more = v > best
                 best[more], chan[more] = v[more], part[f"ai/{name}"][more]
+
+    # -- expert-sharded calibration (calibration/expert_sharded.py) -----------------------------------
+    def expert_rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """Rows ``a..b`` of every per-expert sum, count and maximum, as CPU tensors: what the rank that ran
+        experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`)."""
+        out = {f"s/{k}": v[a:b].cpu().clone() for k, v in self._sums.items() if k in PER_EXPERT}
+        out |= {f"c/{k}": v[a:b].clone() for k, v in self._counts.items()}
+        if "down_out" in self._absmax:
+            best, chan = self._absmax["down_out"]
+            out["ax/down_out"], out["ai/down_out"] = best[a:b].clone(), chan[a:b].clone()
+        return out
+
+    def put_expert_rows(self, a: int, b: int, part: dict[str, torch.Tensor]) -> None:
+        """Take another rank's :meth:`expert_rows` of experts ``[a, b)`` in place of this collector's own
+        (which saw no token of those experts): the rows are copied, so they keep their bits."""
+        e = self.layer.experts.num_experts
+        for key, v in part.items():
+            kind, _, name = key.partition("/")
+            if kind == "s":
+                if name not in self._sums:
+                    self._sums[name] = torch.zeros((e, *v.shape[1:]), dtype=v.dtype)
+                self._sums[name][a:b] = v.to(self._sums[name].device)
+            elif kind == "c":
+                if name not in self._counts:
+                    self._counts[name] = torch.zeros(e, dtype=v.dtype)
+                self._counts[name][a:b] = v
+            elif kind == "ax":
+                if name not in self._absmax:
+                    self._absmax[name] = (torch.zeros(e), torch.zeros(e, dtype=torch.long))
+                best, chan = self._absmax[name]
+                best[a:b], chan[a:b] = v, part[f"ai/{name}"]
 
     def merge_backward(self, other: StatsCollector) -> None:
         """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""

@@ -109,13 +109,17 @@ class Group(Protocol):
     def all_sum_int(self, value: int) -> int: ...
 
 
-def _check_parallel(needs, chunks: Mapping[int, int]) -> None:
+def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], bool]) -> None:
     if "route_attrib" in needs:
         raise RecipeError("route_attrib (attribute_routing) is not collected data-parallel yet; run one process")
-    if chunks:
+    held = sorted(i for i in chunks if not sharded(i))
+    if held or (chunks and backward_needed(set(needs))):
+        why = ("their streamed backward (a gradient statistic) is not sharded over ranks yet" if not held else
+               "the statistics needed cannot be collected with the experts split over ranks "
+               "(down_in_cov_pooled, expert_out_gram) or calibration.parallel is batches")  # fmt: skip
         raise RecipeError(
-            f"layers {sorted(chunks)} are calibrated by chunks of experts (expert_chunk), which is not data-parallel "
-            "yet; run one process, or expert_chunk: off"
+            f"layers {held or sorted(chunks)} are calibrated by chunks of experts (expert_chunk), but {why}; run one "
+            "process, or expert_chunk: off"
         )
 
 
@@ -174,15 +178,19 @@ def run_calibration(
     progress: bool = True,
     expert_chunks: Mapping[int, int] | None = None,
     ranks: Group | None = None,
+    shard_experts: bool = True,
 ) -> dict:
     """Run the sweep(s); statistics are handed to ``save_*`` layer by layer. Returns a summary.
     ``expert_chunks``: MoE layer -> experts per chunk, the layers run by chunks of experts
     (:mod:`moecompress.calibration.chunked`; the others are held whole). ``ranks``: data-parallel over
     ``torch.distributed`` ranks (:mod:`moecompress.engine.distributed`): this rank runs the batches
-    ``b % world_size == rank``, and every rank ends with the statistics of one process, bit for bit.
+    ``b % world_size == rank``; with ``shard_experts`` (``calibration.parallel: auto``) each MoE layer
+    that :func:`~moecompress.calibration.expert_sharded.shardable` allows is forwarded with its experts split
+    over the ranks instead (:mod:`moecompress.calibration.expert_sharded`); rank 0 (every rank, data-parallel)
+    ends with the statistics of one process, bit for bit.
     ``save_experts(i, a, stats)``: a chunked layer's per-expert covariances, chunk by chunk
     (:func:`moecompress.calibration.chunked.forward_layer`); ``None``: in its ``save_forward``."""
-    from moecompress.calibration import chunked  # it builds on this module's helpers
+    from moecompress.calibration import chunked, expert_sharded  # they build on this module's helpers
 
     ckpt = skel.ckpt
     moe_layers = set(ckpt.moe_layer_indices)
@@ -190,8 +198,12 @@ def run_calibration(
     if chunks and on_layer is not None:
         raise RecipeError(PROPAGATE_CHUNKED)
     group = ranks if ranks is not None and ranks.world_size > 1 else None
+
+    def sharded(i: int) -> bool:
+        return group is not None and shard_experts and expert_sharded.shardable(needs, on_layer, ckpt, i)
+
     if group is not None:
-        _check_parallel(needs, chunks)
+        _check_parallel(needs, chunks, sharded)
         if on_layer is not None and "router_sample_base" in needs:
             raise RecipeError("router_sample_base (router_robustness) under calibration.propagate: compressed is not "
                               "collected data-parallel yet; run one process")  # fmt: skip
@@ -223,6 +235,17 @@ def run_calibration(
             if store is not None:
                 store.put(i, hidden)
             apart = base is not None and base.hidden is not None  # the base stream differs from this one
+            if i in moe_layers and sharded(i):
+                size = chunks.get(i, -(-int(ckpt.adapter.num_experts) // group.world_size))
+                outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
+                                                         sample_tokens, save_experts=save_experts)  # fmt: skip
+                _check_outputs(i, outs)
+                st = col.result() if group.rank == 0 else {}  # rank 0 keeps the layer's statistics
+                if "router_sample_base" in needs and "router_sample" in st:  # propagate: original
+                    st["router_sample_base"] = st["router_sample"].clone()
+                save_forward(i, st)
+                hidden, col, st = outs, None, None
+                continue
             if i in chunks:
                 outs, col = chunked.forward_layer(skel, i, chunks[i], hidden, kwargs, batches.holdout, needs,
                                                   sample_tokens, keep_inputs=trace is not None,

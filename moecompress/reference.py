@@ -11,7 +11,8 @@ dtype; the weighted sum is accumulated in fp32 and cast back to the input dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -240,6 +241,42 @@ def expert_partials(
     ``[first, first + bank.num_experts)`` of the layer (a chunk of experts: ``phys`` are the layer's
     physical ids of :func:`physical_ids`; slots of other experts are skipped). Called chunk after chunk
     on the same ``out`` and ``acc``, the sums are those of one call on the whole bank, bit for bit."""
+    for term in expert_terms(bank, x, phys, weights, observer, first):
+        add_term(term, out, acc)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One expert's weighted contribution to the MoE output: ``part`` (fp32 ``[len(tok), D]``) goes to
+    the rows ``tok`` of the accumulator of layout ``space``; ``bias`` (or ``None``), its down bias outside
+    that space, to the rows ``tok`` of the output."""
+
+    expert: int
+    tok: torch.Tensor
+    space: str
+    part: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def add_term(term: Term, out: torch.Tensor, acc: dict[str, torch.Tensor]) -> None:
+    """Add ``term`` where :func:`expert_partials` adds it (terms added in expert order give its bits)."""
+    if term.bias is not None:
+        out.index_add_(0, term.tok, term.bias)
+    if term.space not in acc:
+        acc[term.space] = torch.zeros(out.shape[0], term.part.shape[1], dtype=torch.float32, device=out.device)
+    acc[term.space].index_add_(0, term.tok, term.part)
+
+
+def expert_terms(
+    bank: ExpertBank,
+    x: torch.Tensor,
+    phys: torch.Tensor,
+    weights: torch.Tensor,
+    observer: Observer | None = None,
+    first: int = 0,
+) -> Iterator[Term]:
+    """The :class:`Term` of every expert of ``bank`` that a slot of ``phys`` reaches, in expert order
+    (see :func:`expert_partials`); the observer sees each expert as its term is made."""
     n = bank.num_experts
     xin = bank_input(bank, x)
     ctx = {False: (bank.gate.encode(xin), bank.up.encode(xin))}
@@ -260,14 +297,14 @@ def expert_partials(
         )
         w = weights[tok, slot, None].float()
         bias = bank.biases.get("down")
+        extra = None
         if bias is not None and space == "out":  # already in the output space: add it as transformers does
             mid = mid + bias[p]
         elif bias is not None:
-            out.index_add_(0, tok, bias[p].float().expand(len(tok), -1) * w)
-        if space not in acc:
-            acc[space] = torch.zeros(x.shape[0], mid.shape[1], dtype=torch.float32, device=x.device)
-        acc[space].index_add_(0, tok, mid.float() * w)
+            extra = bias[p].float().expand(len(tok), -1) * w
+        term = Term(q, tok, space, mid.float() * w, extra)
         if observer is not None:
             y = bank.down.decode(space, mid)
             y = y + bias[p] if bias is not None and space != "out" else y
             observer.on_expert(q, tok, slot, _logical(bank, h), y)
+        yield term

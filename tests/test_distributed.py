@@ -10,24 +10,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import socket
 import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from queue_ranks import QueueRanks
 from safetensors.torch import load, save
 from tiny import save_tiny
 
 import moecompress as mc
 from moecompress.calibration.stats import StatsCollector
-from moecompress.engine.distributed import Launch, Ranks
+from moecompress.engine.distributed import Launch
 from moecompress.engine.spec import Chunking, PassConfig, PassSpec
 from moecompress.errors import Interrupted, PassError, RecipeError
 from moecompress.io.checkpoint import open_checkpoint
@@ -36,18 +35,19 @@ from moecompress.reference import moe_forward
 CAL = {"source": "random", "samples": 10, "seq_len": 12, "batch_size": 2, "holdout": 2}
 # 5 batches: two ranks get 3 and 2 (an uneven last round), one of them held back
 
-# rank 1 of the killed-rank test: it dies (as a crashed or OOM-killed process does) in its 3rd round
+# rank 1 of the killed-rank test: it dies (as a crashed or OOM-killed process does) in its 3rd all-gather of
+# calibration (data-parallel rounds and the expert-sharded forward both all-gather)
 DIE = r"""
 import os, sys
-from moecompress.calibration.stats import StatsCollector
+from moecompress.engine.distributed import Ranks
 from moecompress.cli import main
-take, calls = StatsCollector.take_round, []
-def dying(self):
+gather, calls = Ranks.all_gather_bytes, []
+def dying(self, blob):
     calls.append(1)
     if len(calls) == 3:
         os._exit(9)
-    return take(self)
-StatsCollector.take_round = dying
+    return gather(self, blob)
+Ranks.all_gather_bytes = dying
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -413,47 +413,6 @@ DATA_FREE = {"source": "none"}
 def test_rtn_sharded_by_experts_is_byte_identical(model):
     """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 chunks, rank 1 works one."""
     _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2, calibration=DATA_FREE)
-
-
-@dataclass(frozen=True)
-class QueueRanks(Ranks):
-    """Two ranks as two threads of this process: every collective the engine uses, and the layer loop's
-    sends and receives, over queues (a test double of the gloo process group)."""
-
-    wire: dict = field(default_factory=dict, compare=False)
-
-    def _q(self, kind: str, src: int, dst: int) -> queue.Queue:
-        return self.wire.setdefault((kind, src, dst), queue.Queue())
-
-    def _all(self, value):
-        other = 1 - self.rank
-        self._q("c", self.rank, other).put(value)
-        got = self._q("c", other, self.rank).get(timeout=120)
-        return [value, got] if self.rank == 0 else [got, value]
-
-    def barrier(self) -> None:
-        self._all(None)
-
-    def all_gather_bytes(self, blob: bytes) -> list[bytes]:
-        return self._all(blob)
-
-    def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]:
-        return self._all(list(values))
-
-    def all_sum_int(self, value: int) -> int:
-        return sum(self._all(value))
-
-    def from_writer(self, flag: bool) -> bool:
-        return self._all(flag)[0]
-
-    def broadcast_ints(self, values: list[int], length: int) -> list[int]:
-        return self._all(list(values))[0]
-
-    def send_bytes(self, blob: bytes, dst: int) -> None:
-        self._q("p", self.rank, dst).put(blob)
-
-    def recv_bytes(self, src: int) -> bytes:
-        return self._q("p", src, self.rank).get(timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,7 @@ def calibrate_stats(
                 progress=ctx.progress,
                 expert_chunks=ctx.expert_chunks,
                 ranks=ranks,
+                shard_experts=c.parallel == "auto",
             )
         except BaseException:
             if entry is not None:

@@ -73,6 +73,12 @@ class CalibrationConfig(BaseModel):
         "changed model again (one more calibration pass and a staged checkpoint); off refuses it in the dry run",
     )
     sample_tokens: int = Field(512, ge=1, description="size of the bounded sample of MoE inputs/outputs")
+    parallel: Literal["auto", "batches"] = Field(
+        "auto",
+        description="under torchrun: auto splits each MoE layer's experts over the ranks (each reads and runs only "
+        "its own; data-parallel where a statistic needs every expert: down_in_cov_pooled, expert_out_gram) | "
+        "batches: every rank holds whole layers and runs its share of the batches; the same statistics either way",
+    )
     offload: Literal["auto", "ram", "disk"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field(

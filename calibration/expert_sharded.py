@@ -1,0 +1,182 @@
+"""Expert-sharded calibration: under ``N`` ``torch.distributed`` ranks, each MoE layer's experts are split
+over the ranks, and a rank reads, holds and runs only its own (``calibration.parallel: auto``).
+
+It is the two-phase forward of :mod:`moecompress.calibration.chunked` spread over the ranks. Rank ``r``
+owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks of experts ``k % N == r``
+(``expert_chunk``'s size, else ``ceil(E / N)``: one chunk per rank). For MoE layer ``i``:
+
+1. each rank runs its own batches through the decoder layer with :class:`~.chunked.RecordingMoE`: it keeps
+   ``h1_b`` (the residual after attention) and the MoE input ``u_b``;
+2. the ``u_b`` are all-gathered round by round (one batch per rank): every rank has every batch's input;
+3. every rank routes every batch in batch order and records what belongs to no expert (``on_input``,
+   ``on_route``): the same values on every rank, those of one process;
+4. in round ``j`` the ranks hold chunks ``jN .. jN+N-1``; per batch each makes its chunk's weighted expert
+   outputs (:func:`~moecompress.reference.expert_terms`; its collector sees its experts), the terms are
+   all-gathered (safetensors, no pickle), and every rank adds every chunk's terms in chunk order, which is
+   expert order, to the batch's fp32 accumulators: the additions of one process, bit for bit;
+5. rank 0 finishes every batch (shared expert, ``on_output``), the others their own; each rank returns
+   ``h1_b + moe_b`` for its own batches;
+6. per-expert statistics reach rank 0, which keeps the layer's: spilled covariances
+   (``save_experts``) chunk by chunk in chunk order, the other per-expert rows (sums, counts, maxima)
+   expert by expert at the end (:meth:`~moecompress.calibration.stats.StatsCollector.expert_rows`).
+
+So rank 0's statistics are one process's, bit for bit, for every statistic that does not add several
+experts into one sum (``down_in_cov_pooled``) or need every expert at once (``expert_out_gram``): those
+run data-parallel instead (:func:`shardable`). Traffic per layer and rank: every batch's MoE input once
+and the weighted outputs of the other ranks' experts (``(N-1)/N`` of ``T·k`` rows of ``H`` fp32). Held
+per rank: its chunk, the layer's shell and attention, every batch's ``u_b``, the fp32 accumulators of the
+batches it finishes, and its own ``h1_b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load, save
+
+from moecompress.calibration.chunked import ChunkedLayer, _flat
+from moecompress.calibration.skeleton import run_batch, to_device
+from moecompress.reference import Term, add_term, expert_terms, shared_forward
+
+NOT_SHARDED = frozenset({"down_in_cov_pooled", "expert_out_gram", "route_attrib"})
+"""Statistics an expert-sharded layer does not give bit for bit: calibration stays data-parallel."""
+
+
+def shardable(needs, on_layer, ckpt, i: int) -> bool:
+    """Whether MoE layer ``i`` can be calibrated with its experts split over the ranks: stock tensors,
+    ``propagate: original`` (no ``on_layer``) and none of :data:`NOT_SHARDED` needed."""
+    return on_layer is None and i not in ckpt.layouts and not (set(needs) & NOT_SHARDED)
+
+
+def _terms_blob(terms: list[Term]) -> bytes:
+    out = {}
+    for t in terms:
+        out[f"{t.expert}.{t.space}"] = t.part.cpu()
+        if t.bias is not None:
+            out[f"{t.expert}.bias"] = t.bias.cpu()
+    return save(out)
+
+
+def _add_blob(blob: bytes, phys: torch.Tensor, out: torch.Tensor, acc: dict, dev: torch.device) -> None:
+    """Add a rank's terms (:func:`_terms_blob`) in expert order, as :func:`expert_terms` made them."""
+    got = load(blob)
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in got.items():
+        q, _, kind = key.partition(".")
+        experts.setdefault(int(q), {})[kind] = v
+    for q in sorted(experts):
+        parts = experts[q]
+        bias = parts.pop("bias", None)
+        ((space, part),) = parts.items()
+        tok = torch.where(phys == q)[0]
+        add_term(Term(q, tok, space, part.to(dev), None if bias is None else bias.to(dev)), out, acc)
+
+
+def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, holdout: list[bool], needs,
+                  sample_tokens: int, save_experts=None) -> tuple[list[torch.Tensor], object]:  # fmt: skip
+    """Layer ``i``'s outputs for this rank's batches (``hidden[j]`` is global batch ``group.share(n)[j]``,
+    released once recorded) and its forward statistics' collector (complete on rank 0)."""
+    n, world, rank = len(holdout), group.world_size, group.rank
+    mine = group.share(n)
+    layer = ChunkedLayer(skel, i, size)
+    col, dev, cpu = layer.collector(needs, sample_tokens, spill=save_experts is not None), skel.device, torch.device("cpu")
+    mod = layer.module()
+    h1s, us = [], [None] * n
+    with torch.no_grad():
+        for k in range(group.rounds(n)):  # attention on this rank's batches; the MoE inputs to every rank
+            blob = save({})
+            if k < len(hidden):
+                args, kw = kwargs[k][i]
+                h1s.append(run_batch(mod, hidden[k], args, kw, dev))
+                blob = save({"u": _flat(layer.recorder.seen).to(cpu).contiguous()})
+                layer.recorder.seen = hidden[k] = None
+            for r, got in enumerate(group.all_gather_bytes(blob)):
+                if got := load(got):
+                    us[k * world + r] = got["u"]
+        del mod
+        finish = range(n) if rank == 0 else mine  # rank 0 keeps the layer's statistics
+        states, phys, outs, accs = [], [], {}, {}
+        for b, u in enumerate(us):  # the router once per batch, in batch order, on every rank
+            col.mode = "holdout" if holdout[b] else "stats"
+            u = u.to(dev)
+            col.on_input(u)
+            logits, ids, w, p = layer.route(u)
+            col.on_route(logits, ids, w)
+            states.append(col.batch_state())
+            phys.append(p)
+        for b in finish:
+            outs[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
+            accs[b] = {"out": outs[b]}
+        chunks = len(layer.ranges)
+        for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
+            k = j * world + rank
+            first, bank = layer.chunk(k, check=True) if k < chunks else (0, None)
+            for b, u in enumerate(us):
+                terms = []
+                if bank is not None:
+                    col.mode = "holdout" if holdout[b] else "stats"
+                    u = u.to(dev)
+                    col.resume_batch(states[b], u)
+                    terms = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
+                blobs = group.all_gather_bytes(_terms_blob(terms))
+                if b in outs:
+                    for r, blob in enumerate(blobs):
+                        if r == rank:
+                            for t in terms:
+                                add_term(t, outs[b], accs[b])
+                        else:
+                            _add_blob(blob, phys[b], outs[b], accs[b], dev)
+            bank = None
+            if save_experts is not None:
+                _spilled(group, layer, col, save_experts, i, j)
+        _expert_rows(group, layer, col)
+        result = []
+        for b in finish:
+            col.mode = "holdout" if holdout[b] else "stats"
+            u = us[b].to(dev)
+            col.resume_batch(states[b], u)
+            out = outs[b]
+            for space, value in accs[b].items():
+                if value is not out:
+                    out += layer.shell.experts.down.decode(space, value).float()
+            if layer.shell.shared is not None:
+                out = out + shared_forward(layer.shell, u, col)
+            moe = out.to(u.dtype)
+            col.on_output(moe)
+            if b in mine:
+                h1 = h1s[mine.index(b)]
+                result.append(h1 + to_device(moe, cpu).reshape(h1.shape))
+            outs[b] = accs[b] = us[b] = None
+    return result, col
+
+
+def _spilled(group, layer: ChunkedLayer, col, save_experts, i: int, j: int) -> None:
+    """Round ``j``'s spilled covariances to rank 0, which saves them in chunk (expert) order."""
+    world, rank = group.world_size, group.rank
+    for r in range(world):
+        k = j * world + r
+        if k >= len(layer.ranges):
+            break
+        a, b = layer.ranges[k]
+        for e in range(a, b):
+            if r == rank:
+                rows = col.spill(e, e + 1)
+                if rank == 0:
+                    save_experts(i, e, rows)
+                else:
+                    group.send_bytes(save(rows), 0)
+            elif rank == 0:
+                save_experts(i, e, load(group.recv_bytes(r)))
+
+
+def _expert_rows(group, layer: ChunkedLayer, col) -> None:
+    """The per-expert rows of the other ranks' chunks to rank 0, expert by expert, in chunk order."""
+    world, rank = group.world_size, group.rank
+    for k, (a, b) in enumerate(layer.ranges):
+        owner = k % world
+        if owner == 0:
+            continue
+        for e in range(a, b):
+            if rank == owner:
+                group.send_bytes(save(col.expert_rows(e, e + 1)), 0)
+            elif rank == 0:
+                col.put_expert_rows(e, e + 1, load(group.recv_bytes(owner)))

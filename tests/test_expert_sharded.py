@@ -1,0 +1,171 @@
+"""Expert-sharded calibration (``calibration.parallel: auto`` under ``torchrun``): each rank reads and runs only
+its chunks of a layer's experts, and rank 0 ends with one process's statistics, bit for bit. The two ranks
+run as two threads over queues (``queue_ranks.QueueRanks``); ``tests/test_distributed.py`` runs real gloo
+ranks end to end."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from queue_ranks import QueueRanks
+from tiny import save_tiny
+
+import moecompress as mc
+from moecompress.calibration import expert_sharded
+from moecompress.calibration.catalogue import ALWAYS
+from moecompress.calibration.skeleton import Skeleton
+from moecompress.calibration.stats import SPILLED
+from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.errors import RecipeError
+from moecompress.reference import add_term, expert_partials, expert_terms, physical_ids, route_logits
+
+FORWARD = {"act_sq_mean", "expert_in_cov", "expert_in_sq_mean", "down_in_cov", "input_cov", "reap_saliency",
+           "expert_out_norm_mean", "io_sample", "down_out_absmax", "router_sample", "shared_down_out_absmax",
+           "moe_inputs"} | ALWAYS  # fmt: skip
+
+
+def _ids(n: int = 10, seq: int = 12) -> torch.Tensor:
+    return torch.randint(3, 128, (n, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _calibrate(path, needs, *, ranks=None, chunks=None, spilled=None, shard=True) -> tuple[dict, dict]:
+    """``(forward statistics by layer, backward statistics by layer)`` of one rank (``ranks``) or one process."""
+    fwd, bwd = {}, {}
+    save = None if spilled is None else (lambda i, a, s: spilled.setdefault(i, []).append((a, s)))
+    ckpt = mc.open_checkpoint(path)
+    run_calibration(Skeleton(ckpt, torch.float32), Batches.make(_ids(), holdout=2, batch_size=2), needs,
+                    save_forward=fwd.__setitem__, save_backward=bwd.__setitem__, save_experts=save, progress=False,
+                    expert_chunks=chunks or {}, ranks=ranks, shard_experts=shard)  # fmt: skip
+    return fwd, bwd
+
+
+def _two_ranks(path, needs, **kw) -> tuple:
+    """Rank 0's and rank 1's ``(forward, backward, spilled)``, two threads."""
+    wire, out = {}, {}
+
+    def rank(r: int):
+        spilled = {} if kw.get("spilled") is not None else None
+        fwd, bwd = _calibrate(path, needs, ranks=QueueRanks(r, 2, wire=wire), **{**kw, "spilled": spilled})
+        return fwd, bwd, spilled
+
+    t = threading.Thread(target=lambda: out.update(one=rank(1)))
+    t.start()
+    zero = rank(0)
+    t.join(120)
+    assert not t.is_alive()
+    return zero, out["one"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Bits need one intra-op thread in the reference and in both ranks alike."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i].keys() == want[i].keys(), i
+        diff = [k for k in want[i] if not torch.equal(got[i][k], want[i][k])]
+        assert not diff, (i, diff)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "chunk"),
+    [("qwen3_moe", None), ("qwen3_moe", 3), ("deepseek_v3", None), ("gpt_oss", 3), ("mixtral", 1)],
+)
+def test_rank_0_has_the_statistics_of_one_process_bit_for_bit(tmp_path, model_type, chunk):
+    """Every forward statistic (per-expert sums, counts and maxima from the owner of each chunk; the router's,
+    the samples and the held-back inputs from every rank), and through the layer outputs every later layer's:
+    shared experts (deepseek_v3), biases and clamped activations (gpt_oss), chunks of 1 and 3 experts (more
+    chunks than ranks: several rounds, an odd one out) and one chunk per rank."""
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    needs = FORWARD if model_type == "deepseek_v3" else FORWARD - {"shared_down_out_absmax"}
+    chunks = {} if chunk is None else dict.fromkeys(ckpt.moe_layer_indices, chunk)
+    want, _ = _calibrate(tmp_path / "m", needs)
+    (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", needs, chunks=chunks)
+    _equal(zero, want)
+    assert {"expert_in_cov", "reap_saliency", "down_out_absmax", "io_sample_x", "holdout_x"} <= want[1].keys()
+    assert one == {i: {} for i in want}, "only rank 0 keeps the layer's statistics"
+
+
+def test_spilled_covariances_reach_rank_0_in_expert_order(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    needs = {"expert_in_cov", "down_in_cov", "act_sq_mean"} | ALWAYS
+    whole, _ = _calibrate(tmp_path / "m", needs)
+    chunks = dict.fromkeys(ckpt.moe_layer_indices, 3)
+    (zero, _, spilled), (_, _, other) = _two_ranks(tmp_path / "m", needs, chunks=chunks, spilled=True)
+    e = ckpt.adapter.num_experts
+    for i in ckpt.moe_layer_indices:
+        assert [a for a, _ in spilled[i]] == list(range(e)) and not other
+        for name in SPILLED:
+            assert torch.equal(torch.cat([s[name] for _, s in spilled[i]]), whole[i][name]), (i, name)
+        assert all(torch.equal(zero[i][k], v) for k, v in whole[i].items() if k not in SPILLED)
+
+
+def test_statistics_pooled_over_experts_stay_data_parallel_with_the_same_bits(tmp_path):
+    """``down_in_cov_pooled`` adds every expert into one sum and ``expert_out_gram`` needs every expert:
+    those layers run data-parallel (whole layers), so every rank has the statistics; parallel: batches too."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    for needs, shard in (({"down_in_cov_pooled", "expert_out_gram"} | ALWAYS, True), (FORWARD, False)):
+        want, _ = _calibrate(tmp_path / "m", needs)
+        (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", needs, shard=shard)
+        _equal(zero, want)
+        _equal(one, want)
+
+
+def test_backward_after_a_sharded_forward_has_one_process_bits(tmp_path):
+    """A gradient statistic: the forward is sharded by experts, the streamed backward data-parallel."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    needs = {"act_sq_mean", "grad_sq_mean", "out_grad_cov"} | ALWAYS
+    want = _calibrate(tmp_path / "m", needs)
+    (fwd, bwd, _), _ = _two_ranks(tmp_path / "m", needs)
+    _equal(fwd, want[0])
+    _equal(bwd, want[1])
+
+
+def test_chunked_backward_under_ranks_is_refused_in_one_line(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    chunks = {i: 3 for i in mc.open_checkpoint(tmp_path / "m").moe_layer_indices}
+    with pytest.raises(RecipeError, match=r"streamed backward .* not sharded over ranks") as err:
+        _calibrate(tmp_path / "m", {"grad_sq_mean"} | ALWAYS, ranks=QueueRanks(0, 2), chunks=chunks)
+    assert "\n" not in str(err.value)
+    with pytest.raises(RecipeError, match=r"calibration\.parallel is batches"):
+        _calibrate(tmp_path / "m", FORWARD, ranks=QueueRanks(0, 2), chunks=chunks, shard=False)
+
+
+def test_terms_added_in_expert_order_are_the_partials_bit_for_bit(tmp_path):
+    """The oracle of the exchange: :func:`expert_terms` of a bank read in two chunks, added one by one with
+    :func:`add_term`, equal :func:`expert_partials` on the whole bank (gpt_oss: down biases, clamped act)."""
+    save_tiny("gpt_oss", tmp_path / "m", num_hidden_layers=1)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    layer = ckpt.read_layer(0)
+    e = layer.experts.num_experts
+    x = torch.randn(9, layer.hidden_size, generator=torch.Generator().manual_seed(3))
+    _, ids, w = route_logits(layer, x)
+    phys = physical_ids(ids, layer.router.num_experts, layer.expert_map)
+    ref = torch.zeros(x.shape)
+    expert_partials(layer.experts, x, phys, w, ref, {"out": ref})
+    assert ref.abs().sum() > 0
+    for cut in (1, e // 2, e - 1):
+        out = torch.zeros(x.shape)
+        acc = {"out": out}
+        for first, stop in ((0, cut), (cut, e)):
+            for t in expert_terms(ckpt.read_experts(0, first, stop), x, phys, w, None, first):
+                add_term(t, out, acc)
+        assert torch.equal(out, ref), cut
+
+
+def test_shardable_rules(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    assert expert_sharded.shardable({"expert_in_cov"}, None, ckpt, 0)
+    assert not expert_sharded.shardable({"down_in_cov_pooled"}, None, ckpt, 0)
+    assert not expert_sharded.shardable({"expert_in_cov"}, lambda *a: None, ckpt, 0)
