@@ -35,7 +35,7 @@ import yaml
 
 GiB = 1024**3
 PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio": 0.25}, "identity": {},
-          "rtn_data_free": {"bits": 4}}  # fmt: skip
+          "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}}  # fmt: skip
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
 
@@ -105,10 +105,12 @@ def _digest(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict) -> dict:
-    row: dict = {"pass": name, "config": cfg}
+def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto") -> dict:
+    """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
+    data-parallel whole layers)."""
+    row: dict = {"pass": name, "config": cfg, "parallel": mode}
     digests = {}
-    cal = {"source": "none"} if name in DATA_FREE else cal
+    cal = {"source": "none"} if name in DATA_FREE else {**cal, "parallel": mode}
     for world in (1, 2):
         rec = {"model": str(model), "output": str(root / f"out-{name}-{world}"),
                "steps": [{DATA_FREE.get(name, name): cfg}],
@@ -128,6 +130,7 @@ def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict) -> dict:
     row["cpu_ratio"] = round(row["ranks1"]["cpu_s"][0] / max(row["ranks2"]["cpu_s"]), 2)
     c1, c2 = row["ranks1"]["calibration_s"], row["ranks2"]["calibration_s"]
     row["calibration_ratio"] = round(c1 / c2, 2) if c1 and c2 else None
+    row["peak_ratio"] = round(max(row["ranks2"]["peak_gib"]) / row["ranks1"]["peak_gib"][0], 2)
     row["identical"] = digests[1] == digests[2]
     for world in (1, 2):
         subprocess.run(["rm", "-rf", str(root / f"out-{name}-{world}")], check=False)
@@ -142,6 +145,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--parallel", nargs="*", default=["auto"], choices=["auto", "batches"],
+                    help="calibration.parallel of the 2-rank runs (each mode runs one process again beside it)")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="distributed-"))
     model = root / "model"
@@ -153,22 +159,26 @@ def main() -> None:
                       "layers": args.layers, "calibration": cal}), flush=True)  # fmt: skip
     rows = []
     for name in args.passes:
-        try:
-            rows.append(measure(name, PASSES[name], model, root, cal))
-        except RuntimeError as err:
-            rows.append({"pass": name, "error": str(err)})
-        print(json.dumps(rows[-1]), flush=True)
-    print("\n| pass | wall 1 / 2 ranks (s) | ratio | calibration 1 / 2 (s) | ratio | CPU s (1; 2 ranks) | CPU ratio "
-          "| peak RSS GiB (1; per rank) | layer-loop RSS GiB (1; per rank) | identical | load 1 min (1; 2) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for mode in args.parallel if name not in DATA_FREE else ["auto"]:
+            try:
+                rows.append(measure(name, PASSES[name], model, root, cal, mode))
+            except RuntimeError as err:
+                rows.append({"pass": name, "parallel": mode, "error": str(err)})
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"experts": args.experts, "layers": args.layers,
+                                                       "calibration": cal, "rows": rows}, indent=1))  # fmt: skip
+    print("\n| pass | parallel | wall 1 / 2 ranks (s) | ratio | calibration 1 / 2 (s) | ratio | CPU s (1; 2 ranks) | CPU ratio "
+          "| peak RSS GiB (1; per rank) | peak ratio | layer-loop RSS GiB (1; per rank) | identical | load 1 min (1; 2) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['pass']} | failed: {r['error']} | | | | | | | | | |")
+            print(f"| {r['pass']} | {r['parallel']} | failed: {r['error']} | | | | | | | | | | |")
             continue
         a, b = r["ranks1"], r["ranks2"]
-        print(f"| {r['pass']} | {a['wall_s']} / {b['wall_s']} | {r['wall_ratio']} | {a['calibration_s']} / "
+        print(f"| {r['pass']} | {r['parallel']} | {a['wall_s']} / {b['wall_s']} | {r['wall_ratio']} | {a['calibration_s']} / "
               f"{b['calibration_s']} | {r['calibration_ratio']} | {a['cpu_s'][0]}; {' + '.join(map(str, b['cpu_s']))} | {r['cpu_ratio']} "
-              f"| {a['peak_gib'][0]}; {', '.join(map(str, b['peak_gib']))} "
+              f"| {a['peak_gib'][0]}; {', '.join(map(str, b['peak_gib']))} | {r['peak_ratio']} "
               f"| {a['loop_peak_gib'][0]}; {', '.join(map(str, b['loop_peak_gib']))} | {r['identical']} "
               f"| {a['load_1min']}; {b['load_1min']} |")  # fmt: skip
     print(f"\nload average after: {os.getloadavg()}")

@@ -25,7 +25,8 @@ experts into one sum (``down_in_cov_pooled``) or need every expert at once (``ex
 run data-parallel instead (:func:`shardable`). Traffic per layer and rank: every batch's MoE input once
 and the weighted outputs of the other ranks' experts (``(N-1)/N`` of ``T·k`` rows of ``H`` fp32). Held
 per rank: its chunk, the layer's shell and attention, every batch's ``u_b``, the fp32 accumulators of the
-batches it finishes, and its own ``h1_b``.
+batches it finishes, and its own ``h1_b``; the per-expert covariances of its own experts only, except on
+rank 0, which keeps the layer's statistics as one process does.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, ho
     n, world, rank = len(holdout), group.world_size, group.rank
     mine = group.share(n)
     layer = ChunkedLayer(skel, i, size)
-    col, dev, cpu = layer.collector(needs, sample_tokens, spill=save_experts is not None), skel.device, torch.device("cpu")
+    # ranks other than 0 keep the per-expert covariances of their own experts only (spilled, then sent)
+    spill = save_experts is not None or rank > 0
+    col, dev, cpu = layer.collector(needs, sample_tokens, spill=spill), skel.device, torch.device("cpu")
     mod = layer.module()
     h1s, us = [], [None] * n
     with torch.no_grad():

@@ -417,8 +417,15 @@ class StatsCollector:
     # -- expert-sharded calibration (calibration/expert_sharded.py) -----------------------------------
     def expert_rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
         """Rows ``a..b`` of every per-expert sum, count and maximum, as CPU tensors: what the rank that ran
-        experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`)."""
+        experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`).
+        With ``spill``, the :data:`SPILLED` sums not yet handed out by :meth:`spill` come too (released here):
+        that rank holds only its own experts' covariances."""
         out = {f"s/{k}": v[a:b].cpu().clone() for k, v in self._sums.items() if k in PER_EXPERT}
+        for name, apart in self._apart.items():  # spill=True: the float64 sums of the experts not handed out
+            rows = [apart.pop(e, None) for e in range(a, b)]
+            if any(r is not None for r in rows):
+                like = next(r for r in rows if r is not None)
+                out[f"s/{name}"] = torch.stack([torch.zeros_like(like) if r is None else r for r in rows]).cpu()
         out |= {f"c/{k}": v[a:b].clone() for k, v in self._counts.items()}
         if "down_out" in self._absmax:
             best, chan = self._absmax["down_out"]

@@ -29,7 +29,7 @@ from safetensors.torch import load, load_file, save, save_file
 from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
-from moecompress.calibration.skeleton import Skeleton, check_finite, run_batch, to_device
+from moecompress.calibration.skeleton import Skeleton, all_finite, check_finite, run_batch, to_device
 from moecompress.calibration.stats import StatsCollector
 from moecompress.calibration.trace import RoutingTrace
 from moecompress.errors import CheckpointError, RecipeError
@@ -153,7 +153,7 @@ def _merge_round(group: Group, col: StatsCollector, total: StatsCollector) -> No
 
 
 def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
-    if not all(bool(torch.isfinite(o if isinstance(o, torch.Tensor) else o[0]).all()) for o in outs):
+    if not all(all_finite(o if isinstance(o, torch.Tensor) else o[0]) for o in outs):
         raise CheckpointError(
             f"decoder layer {i}: its output holds NaN/Inf (its attention or norm weights, or its inputs, are "
             "not finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
@@ -238,7 +238,7 @@ def run_calibration(
             if i in moe_layers and sharded(i):
                 size = chunks.get(i, -(-int(ckpt.adapter.num_experts) // group.world_size))
                 outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
-                                                         sample_tokens, save_experts=save_experts)  # fmt: skip
+                                                         sample_tokens, save_experts=save_experts if i in chunks else None)  # fmt: skip
                 _check_outputs(i, outs)
                 st = col.result() if group.rank == 0 else {}  # rank 0 keeps the layer's statistics
                 if "router_sample_base" in needs and "router_sample" in st:  # propagate: original

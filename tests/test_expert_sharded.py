@@ -110,6 +110,17 @@ def test_spilled_covariances_reach_rank_0_in_expert_order(tmp_path):
         assert all(torch.equal(zero[i][k], v) for k, v in whole[i].items() if k not in SPILLED)
 
 
+def test_a_layer_held_whole_keeps_its_covariances_in_the_layer_file_as_one_process_does(tmp_path):
+    """No ``expert_chunk``: the covariances stay in the layer's statistics on rank 0 (nothing spilled, the
+    cache of one process); rank 1 held only its own experts' sums and handed them over."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    needs = {"expert_in_cov", "down_in_cov"} | ALWAYS
+    want, _ = _calibrate(tmp_path / "m", needs)
+    (zero, _, spilled), (_, _, other) = _two_ranks(tmp_path / "m", needs, spilled=True)
+    assert spilled == {} and other == {}
+    _equal(zero, want)
+
+
 def test_statistics_pooled_over_experts_stay_data_parallel_with_the_same_bits(tmp_path):
     """``down_in_cov_pooled`` adds every expert into one sum and ``expert_out_gram`` needs every expert:
     those layers run data-parallel (whole layers), so every rank has the statistics; parallel: batches too."""

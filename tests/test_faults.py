@@ -256,3 +256,21 @@ def test_statistics_being_computed_by_another_run_are_not_computed_twice(tmp_pat
         mc.apply(_rec(model, tmp_path / "b"), progress=False)
     assert not (tmp_path / "b").exists() and not (tmp_path / ".b.partial").exists()
     assert mc.apply(_rec(model, tmp_path / "b"), progress=False).cache_entry == entry
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad"),
+    [(d, b) for d in (torch.float32, torch.bfloat16, torch.float16) for b in (float("nan"), float("inf"), -float("inf"), None)]
+    + [(torch.float8_e4m3fn, float("nan")), (torch.float8_e4m3fn, None)],  # e4m3fn has no Inf
+)
+def test_all_finite_finds_one_nan_or_inf_in_any_dtype(dtype, bad):
+    """The weight check's reduction (min and max) sees one NaN, +Inf or -Inf anywhere in a tensor."""
+    from moecompress.calibration.skeleton import all_finite
+
+    t = torch.randn(3, 5, 7).to(dtype)
+    if bad is not None:
+        t = t.float()
+        t[1, 4, 2] = bad
+        t = t.to(dtype)
+    assert all_finite(t) == (bad is None)
+    assert all_finite(torch.zeros(0, dtype=dtype)) and all_finite(torch.arange(4))
