@@ -313,8 +313,10 @@ class StatsCollector:
                 v = s
             elif name in ("act_sq_mean", "expert_in_sq_mean", "expert_out_norm_mean", "reap_saliency"):
                 v = s / per_expert.to(s.device).view(-1, *([1] * (s.dim() - 1)))  # counts live on the host
-            elif name in ("down_in_cov", "expert_in_cov"):
-                v = s / per_expert.to(s.device).view(-1, 1, 1)
+            elif name in ("down_in_cov", "expert_in_cov"):  # expert by expert: no [E, n, n] float64 temporary
+                v = torch.empty(s.shape, dtype=torch.float32)
+                for e in range(s.shape[0]):
+                    v[e] = (s[e] / per_expert[e].to(s.device)).float().cpu()
             elif name == "down_in_cov_pooled":
                 v = s / max(float(routed.sum()), 1.0)
             elif name == "grad_sq_mean":

@@ -512,6 +512,22 @@ def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
 
 
 @pytest.mark.slow
+def test_expert_chunk_layers_calibrate_and_run_sharded_with_one_process_cache_and_bytes(model):
+    """``expert_chunk: 3`` under 2 ranks: calibration by chunks with the experts split over the ranks (the
+    per-expert covariances spilled expert by expert, rank 1's sent to rank 0), then gptq by chunks shared out:
+    the statistics cache holds one process's files, bit for bit, and the output one process's bytes."""
+    _compare_sharded(model, "xc", [{"gptq": {"bits": 4, "group_size": 16}}], served=2, expert_chunk=3)
+
+    def cache(tag: str) -> dict:
+        root = model / f"cache-xc-{tag}"
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*.safetensors")}
+
+    one = cache("one")
+    assert any(".experts-" in k for k in one), sorted(one)  # the covariances were spilled
+    assert cache("two") == one
+
+
+@pytest.mark.slow
 def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
     """A layer with tdmoe (needs every expert) runs whole on rank 0 while rank 1 waits (codequant too:
     ``test_codequant_is_byte_identical``); with expert_chunk: 3 the per-expert rtn layers go by chunks k mod
