@@ -3,17 +3,18 @@ synthetic checkpoint: wall time, calibration time, CPU seconds and peak RSS per 
 outputs are byte-identical.
 
     python benchmarks/distributed.py        # heapr, rtn, expert_prune, rtn data-free; 2 layers, 128 experts
-    python benchmarks/distributed.py --passes heapr rtn --experts 64 --layers 2 --samples 16
+    python benchmarks/distributed.py --passes heapr rtn gptq --parallel auto batches --json OUT.json
 
 The checkpoint: ``qwen3_moe`` with Qwen3-30B-A3B's MoE shapes (hidden 2048, experts of width 768, top-8;
 ``--experts`` of them, 128 by default, 1.2 GB of bf16 expert weights per layer), random weights, a small
 vocabulary and attention. Each configuration runs as fresh processes (``moecompress apply`` with the
 variables ``torchrun`` sets, ``OMP_NUM_THREADS=1``), each with its own statistics cache. Peak RSS and
 CPU seconds are each process's ``getrusage``; calibration seconds come from rank 0's ``report.json``.
-What runs on several ranks (``docs/distributed.md``): calibration, data-parallel, and the layer loop's
-per-expert work (each MoE layer split in 2 chunks of experts, rank 1 working one and sending it to rank 0,
-which writes). ``rtn_data_free`` runs ``rtn`` with ``calibration.source: none``: no calibration, so its
-peak RSS is the layer loop's (with calibration, every rank holds a whole layer while calibrating). The
+What runs on several ranks (``docs/distributed.md``): calibration (``--parallel auto``, the default: each
+MoE layer's forward with its experts split over the ranks, the streamed backward data-parallel;
+``batches``: data-parallel whole layers), and the layer loop's per-expert work (each MoE layer split in 2
+chunks of experts, rank 1 working one and sending it to rank 0, which writes). ``rtn_data_free`` runs
+``rtn`` with ``calibration.source: none``: no calibration, so its peak RSS is the layer loop's. The
 load average (``os.getloadavg``) is recorded before and after every measurement: on a shared machine the
 ratios are only as good as the machine was quiet.
 """

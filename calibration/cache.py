@@ -215,6 +215,34 @@ def _expert_files(entry: Path, i: int) -> list[tuple[int, int, Path]]:
     return sorted((int(m[1]), int(m[2]), p) for m, p in found)
 
 
+class LayerRows:
+    """The :data:`~moecompress.calibration.stats.SPILLED` statistics of a layer calibrated whole (in its own
+    file, ``[E, n, n]``) read by rows, as :class:`ExpertRows` reads a chunked calibration's: a layer worked by
+    units of experts holds only each unit's rows (the file was hashed by :func:`load_layer` with ``skip``)."""
+
+    def __init__(self, entry: Path, i: int, names: frozenset[str]) -> None:
+        self.entry, self.path = entry, entry / f"layer-{i:03d}.safetensors"
+        self.names: tuple[str, ...] = ()
+        self.num_experts = 0
+        if self.path.is_file():
+            with safe_open(str(self.path), "pt") as f:
+                self.names = tuple(sorted(n for n in f.keys() if n in names))
+                if self.names:
+                    self.num_experts = f.get_slice(self.names[0]).get_shape()[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def rows(self, a: int, b: int, names: set[str] | frozenset[str] | None = None) -> dict[str, torch.Tensor]:
+        """Rows ``[a, b)`` of every statistic (or of ``names``), ``[b - a, ...]``."""
+        try:
+            with safe_open(str(self.path), "pt") as f:
+                return {n: f.get_slice(n)[a:b].clone() for n in self.names if names is None or n in names}
+        except (OSError, SafetensorError) as err:
+            raise CacheError(f"statistics cache file {self.path} is damaged ({err}); delete {self.entry} and run "
+                             "again") from None  # fmt: skip
+
+
 class ExpertRows:
     """The per-expert statistics a chunked calibration wrote apart for layer ``i`` (``save_experts``),
     read by rows: :meth:`rows` maps only the files that overlap the asked experts (each file hashed first,
@@ -259,11 +287,12 @@ class ExpertRows:
         return {n: torch.cat(p) for n, p in parts.items() if p}
 
 
-def load_layer(entry: Path, i: int, experts: bool = True) -> dict[str, torch.Tensor]:
+def load_layer(entry: Path, i: int, experts: bool = True, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Every statistic tensor of layer ``i`` in a cache entry (forward and gradient files, and with
     ``experts`` the per-expert files of a chunked calibration joined whole), each file checked against the
     hash its entry recorded; a step sees only the part it declared
-    (:meth:`moecompress.engine.spec.LayerStats.view`)."""
+    (:meth:`moecompress.engine.spec.LayerStats.view`). ``skip``: names left in the files (read by rows
+    later: :class:`LayerRows`); the file is then hashed as it streams, not held."""
     files = read_meta(entry)["files"] if (entry / META).is_file() else None  # None: still being filled
     out: dict[str, torch.Tensor] = {}
     for suffix in ("", ".grad"):
@@ -271,10 +300,16 @@ def load_layer(entry: Path, i: int, experts: bool = True) -> dict[str, torch.Ten
         path = entry / name
         if not path.is_file():
             continue
-        data = path.read_bytes()
-        if files is not None and hashlib.sha256(data).hexdigest() != files.get(name):
-            raise _changed(path)
         try:
+            if skip:
+                if files is not None and _file_hash(path) != files.get(name):
+                    raise _changed(path)
+                with safe_open(str(path), "pt") as f:
+                    out.update({k: f.get_tensor(k) for k in f.keys() if k not in skip})
+                continue
+            data = path.read_bytes()
+            if files is not None and hashlib.sha256(data).hexdigest() != files.get(name):
+                raise _changed(path)
             out.update(load_bytes(data))
         except SafetensorError as err:
             raise CacheError(f"statistics cache file {path} is damaged ({err}); delete {entry} and run again") from None

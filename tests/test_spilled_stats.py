@@ -11,7 +11,7 @@ import torch
 from tiny import save_tiny
 
 import moecompress as mc
-from moecompress.calibration.cache import ExpertRows, load_layer, save_experts
+from moecompress.calibration.cache import ExpertRows, LayerRows, load_layer, save_experts, save_layer
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.stats import SPILLED
 from moecompress.calibration.sweep import Batches, run_calibration
@@ -77,6 +77,28 @@ def test_rows_cross_file_boundaries_and_hashes_are_checked(tmp_path):
         ExpertRows(entry, 5).rows(0, 1)
 
 
+def test_a_layer_file_read_by_rows_keeps_only_the_asked_rows_and_checks_its_hash(tmp_path):
+    """A layer calibrated whole but worked by units (under torchrun, or ``expert_chunk`` after a whole
+    calibration): ``load_layer(skip=SPILLED)`` leaves the covariances in the file (hashed as it streams) and
+    :class:`LayerRows` reads each unit's rows."""
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    full = {"expert_in_cov": torch.randn(7, 4, 4), "down_in_cov": torch.randn(7, 3, 3), "act_sq_mean": torch.randn(7, 3)}
+    save_layer(entry, 2, full)
+    light = load_layer(entry, 2, experts=False, skip=frozenset(SPILLED))
+    assert set(light) == {"act_sq_mean"} and torch.equal(light["act_sq_mean"], full["act_sq_mean"])
+    rows = LayerRows(entry, 2, frozenset(SPILLED))
+    assert rows and rows.num_experts == 7 and set(rows.names) == set(SPILLED)
+    for a, b in ((0, 7), (2, 5), (6, 7)):
+        got = rows.rows(a, b)
+        assert all(torch.equal(got[k], full[k][a:b]) for k in SPILLED), (a, b)
+    assert set(rows.rows(1, 2, {"down_in_cov"})) == {"down_in_cov"}
+    assert not LayerRows(entry, 3, frozenset(SPILLED))
+    (entry / "meta.json").write_text(json.dumps({"files": {"layer-002.safetensors": "0" * 64}, "stats": []}))
+    with pytest.raises(CacheError, match=r"layer-002\.safetensors changed"):
+        load_layer(entry, 2, experts=False, skip=frozenset(SPILLED))
+
+
 def _apply(model, out, chunk, cache, steps):
     rec = {"model": str(model), "output": str(out), "steps": steps, "expert_chunk": chunk,
            "calibration": {"source": "random", "samples": 4, "seq_len": 8, "batch_size": 4, "cache_dir": str(cache)}}  # fmt: skip
@@ -92,9 +114,13 @@ def test_chunked_gptq_on_spilled_statistics_writes_the_whole_layer_bytes(tmp_pat
     apart = sorted(p.name for p in entry.glob("layer-001.experts-*.safetensors"))
     assert apart == [f"layer-001.experts-{e:06d}-{e + 1:06d}.safetensors" for e in range(8)]
     assert "expert_in_cov" not in load_layer(entry, 1, experts=False)
+    # the whole calibration's entry reused by a run by chunks: the covariances read by rows from the layer file
+    _apply(tmp_path / "m", tmp_path / "rows", 3, tmp_path / "c1", steps)
+    assert len([p for p in (tmp_path / "c1").iterdir() if p.is_dir()]) == 1
     names = sorted(p.name for p in (tmp_path / "whole").glob("*.safetensors"))
     for name in names:
-        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "chunk" / name).read_bytes(), name
+        for other in ("chunk", "rows"):
+            assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / other / name).read_bytes(), (other, name)
 
 
 def test_estimate_counts_one_chunk_of_the_per_expert_covariances(tmp_path):

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from moecompress.calibration.cache import ExpertRows, load_layer
+from moecompress.calibration.cache import ExpertRows, LayerRows, load_layer
+from moecompress.calibration.stats import SPILLED
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.follow import follower, split_kept
@@ -97,7 +98,7 @@ class LayerPlan:
     infos: dict[int, dict]
     secs: list[float]
     err: Errors | None
-    rows: ExpertRows | None = None
+    rows: ExpertRows | LayerRows | None = None
     """the per-expert covariances a chunked calibration wrote apart, read chunk by chunk"""
     preludes: dict[int, Any] = field(default_factory=dict)
     """an ``expert`` step's ``Chunking.prelude`` result, computed once for the layer"""
@@ -144,7 +145,8 @@ def prepare(
     ``size``: experts per chunk, for a two-phase step's first sweep (``Chunking.gather``, :func:`gather`)."""
     dev, host = torch.device(ctx.device), torch.device("cpu")
     shell0 = ckpt.read_layer_shell(idx)
-    stats = {host: load_layer(entry, idx, experts=False) if entry is not None else {}}  # the rest: by rows
+    # the per-expert covariances: by rows, from the per-expert files of a chunked calibration or the layer's own
+    stats = {host: load_layer(entry, idx, experts=False, skip=frozenset(SPILLED)) if entry is not None else {}}
     if dev != host:
         stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
     secs = [0.0] * len(steps)
@@ -183,7 +185,10 @@ def prepare(
                     raise PassError(f"{step.label}, layer {idx}: {e}") from None
         secs[s] += time.perf_counter() - t0
         shells.append(new)
-    rows = ExpertRows(entry, idx) if entry is not None else None
+    rows = None
+    if entry is not None:
+        rows = ExpertRows(entry, idx)
+        rows = rows if rows else LayerRows(entry, idx, frozenset(SPILLED))
     lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, None, rows, preludes)
     for s, step in enumerate(steps):
         if step.spec.chunking.gather is not None:
