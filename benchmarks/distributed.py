@@ -4,6 +4,7 @@ outputs are byte-identical.
 
     python benchmarks/distributed.py        # heapr, rtn, expert_prune, rtn data-free; 2 layers, 128 experts
     python benchmarks/distributed.py --passes heapr rtn gptq --parallel auto batches --json OUT.json
+    python benchmarks/distributed.py --passes distill --experts 32 --workdir DIR   # FSDP2 training
 
 The checkpoint: ``qwen3_moe`` with Qwen3-30B-A3B's MoE shapes (hidden 2048, experts of width 768, top-8;
 ``--experts`` of them, 128 by default, 1.2 GB of bf16 expert weights per layer), random weights, a small
@@ -39,6 +40,11 @@ PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio"
           "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}}  # fmt: skip
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
+STAGES = {"distill": {"steps": 4, "batch": 4, "seq_len": 64, "samples": 24, "holdout": 4, "lr": 1e-4,
+                      "trainable": "compressed"}}  # fmt: skip
+"""Whole-model stages: ``expert_prune {ratio: 0.25}`` then the stage (FSDP2 under 2 ranks). The trained bytes
+are not one process's (the reduce-scatter adds in another order): the row gives the loss curves' largest
+relative difference instead of ``identical``."""
 
 WORKER = r"""
 import json, os, resource, sys
@@ -46,7 +52,7 @@ from moecompress.engine.distributed import Launch
 from moecompress.engine.executor import apply
 from moecompress.engine.peak import peak_rss_bytes
 rep = apply(sys.argv[1], launch=Launch.from_env(os.environ), progress=False).report
-loop = rep["layer_loop"]["peak_rss_mb"] if "layer_loop" in rep else rep["peak_rss_mb"]
+loop = rep["layer_loop"]["peak_rss_mb"] if "layer_loop" in rep else rep.get("peak_rss_mb", 0)
 u = resource.getrusage(resource.RUSAGE_SELF)
 print("BENCH " + json.dumps({"peak": peak_rss_bytes(), "cpu": u.ru_utime + u.ru_stime,
                              "loop_peak": loop * 2**20}), flush=True)
@@ -110,19 +116,27 @@ def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str 
     """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
     data-parallel whole layers)."""
     row: dict = {"pass": name, "config": cfg, "parallel": mode}
-    digests = {}
+    digests, curves = {}, {}
     cal = {"source": "none"} if name in DATA_FREE else {**cal, "parallel": mode}
+    steps = [{"expert_prune": {"ratio": 0.25}}, {name: cfg}] if name in STAGES else [{DATA_FREE.get(name, name): cfg}]
     for world in (1, 2):
-        rec = {"model": str(model), "output": str(root / f"out-{name}-{world}"),
-               "steps": [{DATA_FREE.get(name, name): cfg}],
+        rec = {"model": str(model), "output": str(root / f"out-{name}-{world}"), "steps": steps,
                "calibration": {**cal, "cache_dir": str(root / f"cache-{name}-{world}")}}  # fmt: skip
+        if name in STAGES:
+            rec["emit"] = "every_step"
         path = root / f"{name}-{world}.yaml"
         path.write_text(yaml.safe_dump(rec))
         load0 = os.getloadavg()[0]
         res = launch(path, world)
         res["load_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         report = json.loads((root / f"out-{name}-{world}" / "report.json").read_text())
-        res["calibration_s"] = report["calibration"].get("seconds")
+        res["calibration_s"] = report.get("calibration", {}).get("seconds")
+        if name in STAGES:
+            (stage,) = (root / f"out-{name}-{world}" / "steps").glob(f"*-{name}")
+            summ = json.loads((stage / "report.json").read_text())["summary"]
+            curves[world] = summ["loss_curve"]
+            res |= {"loss_curve": summ["loss_curve"], "heldout": [summ["heldout_loss_before"],
+                    summ["heldout_loss_after"]], "train_s": summ["train_seconds"]}  # fmt: skip
         row[f"ranks{world}"] = res
         digests[world] = _digest(root / f"out-{name}-{world}")
         subprocess.run(["rm", "-rf", str(root / f"cache-{name}-{world}")], check=False)
@@ -133,6 +147,8 @@ def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str 
     row["calibration_ratio"] = round(c1 / c2, 2) if c1 and c2 else None
     row["peak_ratio"] = round(max(row["ranks2"]["peak_gib"]) / row["ranks1"]["peak_gib"][0], 2)
     row["identical"] = digests[1] == digests[2]
+    if curves:
+        row["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(curves[1], curves[2], strict=True))
     for world in (1, 2):
         subprocess.run(["rm", "-rf", str(root / f"out-{name}-{world}")], check=False)
     return row
@@ -162,7 +178,7 @@ def main() -> None:
     for name in args.passes:
         for mode in args.parallel if name not in DATA_FREE else ["auto"]:
             try:
-                rows.append(measure(name, PASSES[name], model, root, cal, mode))
+                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode))
             except RuntimeError as err:
                 rows.append({"pass": name, "parallel": mode, "error": str(err)})
             print(json.dumps(rows[-1]), flush=True)
@@ -180,7 +196,7 @@ def main() -> None:
         print(f"| {r['pass']} | {r['parallel']} | {a['wall_s']} / {b['wall_s']} | {r['wall_ratio']} | {a['calibration_s']} / "
               f"{b['calibration_s']} | {r['calibration_ratio']} | {a['cpu_s'][0]}; {' + '.join(map(str, b['cpu_s']))} | {r['cpu_ratio']} "
               f"| {a['peak_gib'][0]}; {', '.join(map(str, b['peak_gib']))} | {r['peak_ratio']} "
-              f"| {a['loop_peak_gib'][0]}; {', '.join(map(str, b['loop_peak_gib']))} | {r['identical']} "
+              f"| {a['loop_peak_gib'][0]}; {', '.join(map(str, b['loop_peak_gib']))} | {r['identical']}{' (loss curves: ' + format(r['loss_rel_diff'], '.1e') + ')' if 'loss_rel_diff' in r else ''} "
               f"| {a['load_1min']}; {b['load_1min']} |")  # fmt: skip
     print(f"\nload average after: {os.getloadavg()}")
 
