@@ -19,7 +19,7 @@ from moecompress.io.checkpoint import open_checkpoint
 from moecompress.passes.distill import DistillConfig
 from moecompress.training.loop import _batches, train
 from moecompress.training.losses import Objective, Teacher, forward_hidden
-from moecompress.training.student import build_model
+from moecompress.training.student import build_model, flatten
 from moecompress.training.write import write_trained
 
 CAL = {"source": "random", "samples": 8, "seq_len": 8}
@@ -330,3 +330,31 @@ def test_token_rounding_on_a_grouped_router_fails_in_the_dry_run(tmp_path):
     step = {"distill": {**SMALL, "token_rounding": {"tile": 8}}}
     with pytest.raises(PassError, match=r"step 1 \(distill\), layer 1: token_rounding needs a softmax top-k"):
         mc.apply(_recipe(tmp_path / "m", tmp_path / "o", [step]), dry_run=True)
+
+
+def test_a_layout_moe_keeps_the_layers_structure_not_a_second_copy_of_its_tensors(tiny):
+    """The trained tensors live in ``params`` alone: the template holds them on ``meta``."""
+    ckpt = open_checkpoint(tiny)
+    _, moes = build_model(ckpt)
+    for i, moe in moes.items():
+        flat = flatten(moe.template)
+        assert moe.stored_dtype and all(flat[n].is_meta for n in moe.stored_dtype)
+        want = flatten(ckpt.read_layer(i))
+        got = flatten(moe.layer())
+        assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_a_teacher_reads_its_stored_values_without_the_dtype_round_trip(tmp_path):
+    """bf16 stored values are float32 exactly: the teacher skips the cast (no whole-weight copy) and gives
+    the same bits as the round trip; a student (trained values off the bf16 grid) keeps it."""
+    save_tiny("qwen3_moe", tmp_path / "bf16", dtype=torch.bfloat16)
+    model, moes = build_model(open_checkpoint(tmp_path / "bf16"))
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    h, logits = forward_hidden(model, ids)  # as a student: through the stored dtype
+    moe = next(iter(moes.values()))
+    name = next(n for n, dt in moe.stored_dtype.items() if dt == torch.bfloat16)
+    assert moe.tensor(name).data_ptr() != moe.named_stored()[name].data_ptr()
+    t = Teacher(model, moes, None)(ids)
+    assert all(m.exact for m in moes.values())
+    assert moe.tensor(name).data_ptr() == moe.named_stored()[name].data_ptr()
+    assert torch.equal(t["logits"], logits) and torch.equal(t["hidden"], h)

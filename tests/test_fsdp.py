@@ -147,6 +147,7 @@ def test_two_rank_fsdp_distill_matches_one_process(model, stage, extra):
     for u, v in zip(sa["loss_curve"], sb["loss_curve"]):
         assert abs(u - v) <= 1e-5 * math.sqrt(STEPS) * abs(u) + eps
     assert sa["trainable_params"] == sb["trainable_params"] and sa["train_tokens"] == sb["train_tokens"]
+    assert (sa["teacher_sharded"], sb["teacher_sharded"]) == (False, True)  # 1/N of the teacher on each rank
 
 
 @pytest.mark.slow

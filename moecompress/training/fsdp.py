@@ -12,8 +12,14 @@ began, data-parallel (``docs/training.md``, ``docs/distributed.md``).
   Its loss (a mean over its positions) is weighted by its share of the batch's positions and the gradients
   are *summed* across ranks (divide factor 1), so the gradient is one process's mean-loss gradient; the
   logged loss is the float64 sum of the weighted parts in rank order.
+- **Activation checkpointing.** Each decoder layer of the student runs its forward again in the backward
+  (``torch.distributed._composable.checkpoint``): autograd would otherwise keep every layer's unsharded
+  float32 weights (the stored-dtype casts the matmuls save) to the end of the forward, the whole student on
+  every rank. The recomputation gives the same values, so the gradients are those without it.
+- **Teacher.** Frozen, sharded the same way as it is built (:func:`sharded_teacher`): no rank holds it whole.
 - **Writing.** Rank 0 gathers the full state dict (``get_model_state_dict``, full and CPU-offloaded),
-  loads it into a plain student and writes it as one process does; the other ranks write nothing.
+  builds a plain student a layer at a time, each layer taking its gathered tensors as it is read
+  (:func:`plain_student`), and writes it as one process does; the other ranks write nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Sharded(nn.Module):
 def shard(student: nn.Module, params: list[nn.Parameter], label: str) -> tuple[Sharded, list]:
     """``student`` sharded in place (decoder layers, then the root); returns the root and ``params``
     as the sharded parameters (FSDP2 registers new ones)."""
+    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
     names = {id(p): n for n, p in student.named_parameters()}
@@ -67,6 +74,8 @@ def shard(student: nn.Module, params: list[nn.Parameter], label: str) -> tuple[S
         p.requires_grad_(True)
     root = Sharded(student)
     units = [*student.model.layers, root]
+    for layer in student.model.layers:  # recomputed in the backward: one layer's float32 weights held at a time
+        checkpoint(layer)
     for unit in units:
         fully_shard(unit)
     for unit in units:
@@ -74,6 +83,20 @@ def shard(student: nn.Module, params: list[nn.Parameter], label: str) -> tuple[S
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM or AVG)
     now = dict(student.named_parameters())
     return root, [now[n] for n in want]
+
+
+def sharded_teacher(ckpt, device: str) -> tuple[nn.Module, dict, Sharded]:
+    """The frozen teacher of ``ckpt``, each decoder layer sharded as soon as it is built (a rank holds its
+    1/N of the teacher and one layer whole while building), then the root: ``(model, moes, root)``; run it
+    through ``root`` (FSDP2 gathers one layer at a time and frees it after its forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from moecompress.training.student import build_model
+
+    model, moes = build_model(ckpt, device, on_layer=lambda _i, layer: fully_shard(layer.requires_grad_(False)))
+    root = Sharded(model.requires_grad_(False))
+    fully_shard(root)
+    return model, moes, root
 
 
 def my_rows(idx: torch.Tensor, ranks) -> torch.Tensor:
@@ -90,16 +113,28 @@ def full_state(root: Sharded) -> dict[str, torch.Tensor]:
 
 
 def plain_student(ckpt, cfg, state: dict[str, torch.Tensor]):
-    """A one-process student of ``ckpt`` (with the stage's expert LoRA) holding ``state``: what rank 0 writes."""
-    from moecompress.training.student import build_model
+    """A one-process student of ``ckpt`` (with the stage's expert LoRA) holding ``state``: what rank 0 writes.
+    Each decoder layer takes its gathered tensors (``assign``) as soon as it is read, so the tensors read
+    from the checkpoint are held one layer at a time beside ``state``; ``state`` is emptied."""
+    from moecompress.training.student import LayoutMoE, build_model
 
-    model, moes = build_model(ckpt, "cpu")
-    if cfg.trainable == "lora":
-        for i, moe in moes.items():
-            moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
+    keys = set(state)
+
+    def take(i: int, layer: nn.Module) -> None:
+        if cfg.trainable == "lora":
+            for m in layer.modules():
+                if isinstance(m, LayoutMoE):
+                    m.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
+        pre = f"model.layers.{i}."
+        own = layer.state_dict()
+        layer.load_state_dict({k[len(pre) :]: state.pop(k) for k in list(state) if k.startswith(pre)
+                               and k[len(pre) :] in own}, strict=False, assign=True)  # fmt: skip
+
+    model, moes = build_model(ckpt, "cpu", on_layer=take)
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
-    left = [k for k in own if k not in state and not k.endswith("inv_freq")]
+    state.clear()
+    left = [k for k in own if k not in keys and not k.endswith("inv_freq")]
     if left:
         raise PassError(f"the gathered state misses {left[:3]}")
     return model, moes

@@ -41,8 +41,14 @@ def forward_hidden(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, t
 class Teacher:
     """The frozen teacher: logits and hidden states per batch, with the MoE fusion for ``residual``."""
 
-    def __init__(self, model: nn.Module, moes: dict[int, LayoutMoE], fusion: str | None) -> None:
+    def __init__(
+        self, model: nn.Module, moes: dict[int, LayoutMoE], fusion: str | None, runner: nn.Module | None = None
+    ) -> None:
         self.model, self.fusion = model, fusion
+        for moe in moes.values():
+            moe.exact = True  # never trained: its parameters are the stored values
+        self.runner = runner
+        """``ids -> (hidden, logits)`` in place of :func:`forward_hidden` (an FSDP2 root; without fusion)."""
         last = max(moes) if moes else None
         n_layers = len(model.model.layers)
         self.fused = fusion is not None and last == n_layers - 1
@@ -55,7 +61,7 @@ class Teacher:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         if not self.fused:
-            h, logits = forward_hidden(self.model, ids)
+            h, logits = forward_hidden(self.model, ids) if self.runner is None else self.runner(ids)
             return {"hidden": h, "logits": logits, "h_t": h}
         cap = _Capture()
         self.last_moe.capture = cap

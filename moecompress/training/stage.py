@@ -25,7 +25,7 @@ from moecompress.errors import CheckpointError, PassError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.runtime.lora_mixer import CONFIG_KEY, RoutedLoRALinear
 from moecompress.training.attention_lora import stored_adapters
-from moecompress.training.fsdp import collectives, full_state, plain_student, shard
+from moecompress.training.fsdp import collectives, full_state, plain_student, shard, sharded_teacher
 from moecompress.training.loop import train
 from moecompress.training.losses import Objective, Teacher
 from moecompress.training.student import build_model, group_of, non_moe_parameters
@@ -118,10 +118,17 @@ def run_distill(job) -> dict:
     device = job.device
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
+    ranks = job.ranks or SINGLE
+    fusion = cfg.fusion if cfg.method == "residual" else None
+    if ranks.world_size > 1 and fusion is None and not isinstance(teacher_ck.raw_config.get(CONFIG_KEY), dict):
+        teacher_model, teacher_moes, root = sharded_teacher(teacher_ck, device)  # built first: 1/N of it held
+    else:
+        teacher_model, teacher_moes = build_model(teacher_ck, device)
+        stored_adapters(teacher_model, teacher_ck)  # a teacher with routed adapters is the model they make
+        root = None
+    teacher = Teacher(teacher_model, teacher_moes, fusion, runner=root)
+    teacher_sharded = root is not None
     student, moes = build_model(student_ck, device)
-    teacher_model, teacher_moes = build_model(teacher_ck, device)
-    stored_adapters(teacher_model, teacher_ck)  # a teacher with routed adapters is the model they make
-    teacher = Teacher(teacher_model, teacher_moes, cfg.fusion if cfg.method == "residual" else None)
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
         raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
@@ -134,7 +141,6 @@ def run_distill(job) -> dict:
         return obj
 
     params, mods = _parameters(student, moes, cfg, student_ck)
-    ranks = job.ranks or SINGLE
     model = student
     if ranks.world_size > 1:  # FSDP2 (training/fsdp.py): the student sharded, each rank a share of a batch
         if mods:
@@ -159,6 +165,8 @@ def run_distill(job) -> dict:
     with collectives(ranks, job.label) if ranks.world_size > 1 else nullcontext():
         res = train(model, moes, params, make_objective(cfg), teacher, train_ids, hold_ids, cfg, device=job.device,
                     progress=job.progress, state_dir=state, routed=routed, ranks=ranks)  # fmt: skip
+        note = teacher.note
+        teacher = teacher_model = teacher_moes = root = None  # not held while the student is gathered and written
         gathered = full_state(model) if ranks.world_size > 1 else None
     if gathered is not None:  # rank 0 gathers the whole student and writes as one process; the others nothing
         del model, student, moes, params
@@ -203,12 +211,13 @@ def run_distill(job) -> dict:
         "peak_memory_mb": round(res.peak_memory_mb, 1),
         "data": source,
         "teacher": "the recipe's model" if cfg.teacher is None else cfg.teacher,
+        "teacher_sharded": teacher_sharded,
     }
     plots = []
     if res.curve:
         plots.append({"file": "loss.png", "kind": "line", "data": res.curve, "title": f"{cfg.method} loss per step",
                       "xlabel": "step", "ylabel": "loss"})  # fmt: skip
-    warnings = [teacher.note] if teacher.note else []
+    warnings = [note] if note else []
     if res.heldout_after > res.heldout_before:
         warnings.append(f"the held-out loss rose ({res.heldout_before:.4f} -> {res.heldout_after:.4f}); "
                         "lower lr or steps")  # fmt: skip

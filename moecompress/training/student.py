@@ -18,6 +18,7 @@ step (:meth:`LayoutMoE.restore_frozen`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,6 @@ class LayoutMoE(nn.Module):
 
     def __init__(self, layer: MoELayer, *, returns_tuple: bool = False) -> None:
         super().__init__()
-        self.template = layer
         self.returns_tuple = returns_tuple
         self.capture: _Capture | None = None
         self.stored_dtype: dict[str, torch.dtype] = {}
@@ -131,8 +131,14 @@ class LayoutMoE(nn.Module):
                 self.params[_key(name)] = nn.Parameter(t.detach().float().clone(), requires_grad=False)
             else:
                 self.register_buffer(_key(name), t.detach().clone(), persistent=False)
+        # the layer's structure, its trained tensors on ``meta`` (their values live in ``params`` alone)
+        flat = flatten(layer)
+        self.template = unflatten(layer, {n: t.to("meta") if n in self.stored_dtype else t for n, t in flat.items()})
         self.frozen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lora: nn.Module | None = None
+        self.exact = False
+        """The parameters hold the stored values unchanged (a frozen teacher): read them without the
+        round trip through the stored dtype, which would give the same values through a whole-weight copy."""
         self.rounding: tuple[int, str] | None = None
         """``(tile, mode)`` while training with token rounding; exact top-k routing otherwise."""
 
@@ -151,7 +157,7 @@ class LayoutMoE(nn.Module):
             delta = None if self.lora is None else self.lora.delta(name)
             p = p if delta is None else p + delta
             dt = self.stored_dtype[name]
-            return p if dt == torch.float32 else p.to(dt).to(torch.float32)
+            return p if dt == torch.float32 or (self.exact and delta is None) else p.to(dt).to(torch.float32)
         t = getattr(self, k)
         return t.float() if t.is_floating_point() else t
 
@@ -235,9 +241,13 @@ def rounded_forward(layer: MoELayer, x: torch.Tensor, tile: int, mode: str) -> t
     return out
 
 
-def build_model(ckpt: Checkpoint, device: str = "cpu") -> tuple[nn.Module, dict[int, LayoutMoE]]:
+def build_model(
+    ckpt: Checkpoint, device: str = "cpu", on_layer: Callable[[int, nn.Module], None] | None = None
+) -> tuple[nn.Module, dict[int, LayoutMoE]]:
     """Transformers' model of ``ckpt`` in float32 on ``device``, eval mode, nothing trainable yet, its
-    MoE blocks :class:`LayoutMoE` modules of the checkpoint's layers (any layout)."""
+    MoE blocks :class:`LayoutMoE` modules of the checkpoint's layers (any layout). ``on_layer(i, layer)``:
+    called on each decoder layer as soon as it is built (FSDP2's ``fully_shard`` for a frozen teacher, or
+    trained tensors put in place of those just read: one layer's read tensors held at a time)."""
     sk = Skeleton(ckpt, torch.float32)
     sk.load_head()
     adapter = ckpt.adapter
@@ -251,6 +261,8 @@ def build_model(ckpt: Checkpoint, device: str = "cpu") -> tuple[nn.Module, dict[
         else:
             mod = sk.layer(i)
         sk.layers[i] = mod
+        if on_layer is not None:
+            on_layer(i, mod)
     model = sk.model
     model.config.use_cache = False
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
