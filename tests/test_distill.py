@@ -222,7 +222,7 @@ def test_resume_does_not_redo_a_finished_segment(tiny, tmp_path):
             raise PassError(f"{job.label}: planned failure")
         return __import__("moecompress.training.stage", fromlist=["_"]).run_distill(job)
 
-    def memory(job, s, t):
+    def memory(job, s, t, world):
         return 0
 
     from moecompress.passes.distill import DistillConfig as Cfg

@@ -142,6 +142,9 @@ def model(tmp_path):
 def test_launch_reads_torchrun_variables():
     assert Launch.from_env({}) == Launch(0, 1, 0)
     assert Launch.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Launch(1, 2, 1)
+    assert Launch(1, 2, 1).ranks_here == 2  # not said: every rank on this host
+    two_hosts = Launch.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert two_hosts == Launch(3, 4, 1, 2) and two_hosts.ranks_here == 2
     with pytest.raises(RecipeError, match="not a valid launch"):
         Launch.from_env({"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(RecipeError, match="integers"):

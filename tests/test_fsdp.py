@@ -172,3 +172,31 @@ def test_unsupported_stage_settings_are_refused_under_torchrun(model):
     with pytest.raises(RecipeError, match=r"distill.*method: residual.*does not run under torchrun yet"):
         apply(rec, progress=False, launch=Launch(0, 2, 0))
     assert not (model / "r").exists()
+
+
+def test_the_dry_run_estimates_a_stage_per_rank_under_torchrun(model):
+    """FSDP2 splits the weights, gradients and AdamW state: the dry run's estimate is one rank's, so a
+    memory_limit between the two refuses one process and lets 2 ranks through (a dry run starts no group)."""
+    from moecompress.engine import segments
+    from moecompress.engine.executor import _coerce
+    from moecompress.io.checkpoint import open_checkpoint
+
+    steps = [{"heapr": {"ratio": 0.5}}, {"distill": DISTILL}]
+    rec = {"model": str(model / "model"), "output": str(model / "r"), "calibration": CAL, "steps": steps}
+    plans = [apply(rec, dry_run_only=True, launch=la).report["dry_run"] for la in (Launch(), Launch(0, 2, 0))]
+    one, two = (p["stage_memory_bytes"]["step 2 (distill)"] for p in plans)
+    assert 0 < two < one
+    # the stage's own check (a tiny model's calibration estimate is larger than its stage's, so the whole
+    # dry run would stop at the calibration first)
+    ckpt = open_checkpoint(model / "model")
+
+    def check(limit: int, launch: Launch) -> dict:
+        limited = _coerce({**rec, "calibration": {**CAL, "memory_limit": limit}}, (), ())
+        return segments.stage_plan(limited, ckpt, plans[0], launch)
+
+    with pytest.raises(RecipeError, match=r"step 2 \(distill\): training needs about [0-9.]+ GiB of memory \("):
+        check((one + two) // 2, Launch())
+    assert check((one + two) // 2, Launch(0, 2, 0))["stage_memory_bytes"]["step 2 (distill)"] == two
+    with pytest.raises(RecipeError, match=r"training needs about [0-9.]+ GiB of memory per rank of 2 \("):
+        check(two - 1, Launch(1, 2, 1))
+    assert not (model / "r").exists()

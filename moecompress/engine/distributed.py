@@ -32,11 +32,19 @@ TIMEOUT = timedelta(hours=6)
 
 @dataclass(frozen=True)
 class Launch:
-    """What ``torchrun`` says about this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+    """What ``torchrun`` says about this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 0
+    """The ranks on this host (``0``: not said, taken as ``world_size``)."""
+
+    @property
+    def ranks_here(self) -> int:
+        """How many ranks share this host's memory."""
+        return self.local_world_size or self.world_size
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Launch:
@@ -45,6 +53,7 @@ class Launch:
             world = int(env.get("WORLD_SIZE", "1"))
             rank = int(env.get("RANK", "0"))
             local = int(env.get("LOCAL_RANK", str(rank)))
+            here = int(env.get("LOCAL_WORLD_SIZE", "0"))
         except ValueError:
             raise RecipeError(
                 f"RANK/WORLD_SIZE/LOCAL_RANK must be integers (got {env.get('RANK')!r}/{env.get('WORLD_SIZE')!r}/"
@@ -54,7 +63,7 @@ class Launch:
             raise RecipeError(
                 f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} is not a valid launch; use torchrun"
             )
-        return cls(rank, world, local)
+        return cls(rank, world, local, max(here, 0))
 
 
 @dataclass(frozen=True)

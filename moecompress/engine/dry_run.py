@@ -23,6 +23,7 @@ from moecompress.calibration.catalogue import ALWAYS, backward_needed
 from moecompress.calibration.stats import SPILLED
 from moecompress.engine import follow, resources, segments, units
 from moecompress.engine.context import compute_dtype, resolve_device
+from moecompress.engine.distributed import Launch
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
 from moecompress.extras import require
@@ -126,9 +127,10 @@ def _stat_sizes(recipe: Recipe, ckpt: Checkpoint, needs: set[str]) -> dict[str, 
     return {n: max(resources.stat_bytes({n}, d) for d in dims) for n in needs} if dims else {}
 
 
-def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
+def dry_run(recipe: Recipe, ckpt: Checkpoint, launch: Launch | None = None) -> dict[str, Any]:
     """Check the recipe on shapes; raise before any weight or token is touched. Returns the plan: the
-    statistics to collect and the estimated bytes of each step's output."""
+    statistics to collect and the estimated bytes of each step's output. ``launch``: the ``torchrun`` ranks
+    (a whole-model stage's memory is estimated per rank)."""
     check_data_free(recipe)
     c = recipe.calibration
     needs = set() if c.data_free else set(recipe.needs) | ALWAYS
@@ -226,4 +228,6 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint) -> dict[str, Any]:
     cut = segments.split(recipe)
     if len(cut) > 1:  # segments: each calibrated on the previous one's output
         plan["segments"] = [[s.label for s in seg] for seg in cut]
-    return {**plan, **segments.stage_plan(recipe, ckpt, plan)} if segments.has_stages(recipe) else plan
+    if not segments.has_stages(recipe):
+        return plan
+    return {**plan, **segments.stage_plan(recipe, ckpt, plan, launch or Launch())}

@@ -252,10 +252,10 @@ def apply(
     ones. ``launch``: this process among ``torchrun``'s ranks (``docs/distributed.md``; rank 0 writes).
     Returns the output directory and the run report."""
     rec = _coerce(recipe, overrides, passes)
-    ready = _prepare(rec, resume=resume, overwrite=overwrite, dry_run_only=dry_run_only)
+    launch = launch or Launch()
+    ready = _prepare(rec, resume=resume, overwrite=overwrite, dry_run_only=dry_run_only, launch=launch)
     if isinstance(ready, RunResult):
         return ready
-    launch = launch or Launch()
     if launch.world_size > 1:
         _check_stages_distributed(rec)
     ranks = distributed.start(launch, resolve_device(rec.calibration.device))
@@ -275,7 +275,7 @@ def _check_stages_distributed(rec: Recipe) -> None:
             raise RecipeError(f"{step.label}: {why} does not run under torchrun yet; run one process")
 
 
-def _prepare(rec: Recipe, *, resume: bool, overwrite: bool, dry_run_only: bool):
+def _prepare(rec: Recipe, *, resume: bool, overwrite: bool, dry_run_only: bool, launch: Launch | None = None):
     """Steps 1-2 of the module docstring on every rank: a finished ``--resume`` or a dry run as its
     :class:`RunResult`, else ``(checkpoint, dry-run plan, source fingerprint, journal)``."""
     out = Path(rec.output)
@@ -289,7 +289,7 @@ def _prepare(rec: Recipe, *, resume: bool, overwrite: bool, dry_run_only: bool):
         raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
     ckpt = _open(rec)
     _check_output(rec, ckpt)
-    plan = dry_run(rec, ckpt)
+    plan = dry_run(rec, ckpt, launch or Launch())
     resources.check(rec, plan, out.parent, memory=resources.available_memory(), disk_free=resources.free_disk(out))
     fingerprint = _check_calibration_source(rec, ckpt)
     if resume:

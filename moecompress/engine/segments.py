@@ -30,7 +30,7 @@ from pathlib import Path
 from moecompress._version import __version__
 from moecompress.calibration.sources import source_fingerprint
 from moecompress.engine import follow, resources
-from moecompress.engine.distributed import SINGLE, Ranks
+from moecompress.engine.distributed import SINGLE, Launch, Ranks
 from moecompress.engine.journal import staging_dir, write_json_atomic
 from moecompress.engine.recipe import Recipe, Step
 from moecompress.engine.spec import StageJob
@@ -87,13 +87,18 @@ def _job(rec: Recipe, step: Step, src: Path, out: Path, progress: bool, device: 
                     rec.max_shard_size, device, progress, state, ranks)  # fmt: skip
 
 
-def stage_plan(rec: Recipe, ckpt: Checkpoint, plan: dict) -> dict:
-    """Dry-run checks of every stage (teacher, text, memory); returns ``{"stage_memory_bytes": ...}``."""
+def stage_plan(rec: Recipe, ckpt: Checkpoint, plan: dict, launch: Launch | None = None) -> dict:
+    """Dry-run checks of every stage (teacher, text, memory); returns ``{"stage_memory_bytes": ...}``.
+    Under ``torchrun`` (``launch``) the memory is one rank's (FSDP2), against ``memory_limit`` (a
+    process's) or this host's memory shared by its ranks."""
     from moecompress.training.stage import check_teacher
 
     est: dict[str, int] = {}
-    c = rec.calibration
+    c, launch = rec.calibration, launch or Launch()
+    world = launch.world_size
     limit = parse_size(c.memory_limit) if c.memory_limit is not None else resources.available_memory()
+    if limit is not None and c.memory_limit is None:
+        limit //= launch.ranks_here
     for n, step in enumerate(rec.steps):
         if step.spec.stage is None:
             continue
@@ -113,12 +118,15 @@ def stage_plan(rec: Recipe, ckpt: Checkpoint, plan: dict) -> dict:
         student = plan["estimated_output_bytes"].get(prev, plan["input_bytes"]) if prev else plan["input_bytes"]
         teacher_bytes = sum(t_ckpt.reader.nbytes(k) for k in t_ckpt.reader.keys)
         job = _job(rec, step, ckpt.path, ckpt.path, False, teacher=t_ckpt.path)
-        need = step.spec.stage.memory(job, student, teacher_bytes)
+        need = step.spec.stage.memory(job, student, teacher_bytes, world)
         est[step.label] = need
         if limit is not None and need > limit:
             where = "calibration.memory_limit" if c.memory_limit is not None else "available on this machine"
+            if world > 1:
+                where += f" per rank ({launch.ranks_here} ranks on this host)" if c.memory_limit is None else ""
+            per = f" per rank of {world}" if world > 1 else ""
             raise RecipeError(
-                f"{step.label}: training needs about {need / GiB:.1f} GiB of memory (student and teacher weights, "
+                f"{step.label}: training needs about {need / GiB:.1f} GiB of memory{per} (student and teacher weights, "
                 f"gradients, AdamW state, activations of {cfg.batch} × {cfg.seq_len} tokens) but {limit / GiB:.1f} GiB "
                 f"are {where}; lower batch or seq_len, or train on a larger device"
             )

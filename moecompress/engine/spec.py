@@ -280,11 +280,11 @@ class StageJob:
 @dataclass(frozen=True)
 class StageSpec:
     """``run(job) -> report`` writes ``job.output_dir`` (same layouts) and returns the step report's
-    ``summary``/``plots``/``warnings``; ``memory(job, student_bytes, teacher_bytes) -> bytes`` is the
-    dry run's estimate of its peak memory."""
+    ``summary``/``plots``/``warnings``; ``memory(job, student_bytes, teacher_bytes, world_size) -> bytes``
+    is the dry run's estimate of its peak memory (one rank's under ``torchrun``)."""
 
     run: Callable[[StageJob], dict]
-    memory: Callable[[StageJob, int, int], int]
+    memory: Callable[[StageJob, int, int, int], int]
 
 
 @dataclass(frozen=True)

@@ -136,10 +136,10 @@ def _run(job) -> dict:
     return run_distill(job)
 
 
-def _memory(job, student_bytes: int, teacher_bytes: int) -> int:
+def _memory(job, student_bytes: int, teacher_bytes: int, world: int = 1) -> int:
     from moecompress.training.stage import memory_estimate
 
-    return memory_estimate(job, student_bytes, teacher_bytes)
+    return memory_estimate(job, student_bytes, teacher_bytes, world)
 
 
 STAGE = StageSpec(run=_run, memory=_memory)

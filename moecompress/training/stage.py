@@ -8,6 +8,12 @@ gradients and the two AdamW moments of the trainable parameters (bounded by the 
 (attention, the routed experts' gate/up/activation, the attention probabilities, the student's and the
 teacher's logits with their softmax and gradient). A stage estimated above
 ``calibration.memory_limit`` (or what the machine has) is refused in the dry run with the figure.
+
+Under ``torchrun`` (FSDP2, ``N`` ranks) one rank's peak is the largest of: training, ``(weights +
+optimiser + activations) / N`` plus about three decoder layers' float32 weights in flight (the
+all-gather's buffers and the unsharded parameters); building, ``teacher / N`` plus the whole student
+(read before it is sharded); writing (rank 0), the gathered student plus one layer. Measured on a
+6-layer student: 5.3 GiB per rank against 9.4 GiB for one process (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ def _cfg(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def memory_estimate(job, student_bytes: int, teacher_bytes: int) -> int:
-    """Estimated peak bytes of the stage (see the module docstring)."""
+def memory_estimate(job, student_bytes: int, teacher_bytes: int, world: int = 1) -> int:
+    """Estimated peak bytes of the stage (see the module docstring); under ``world`` > 1 ranks, one rank's."""
     cfg, c = job.config, _cfg(job.teacher_dir)
     text = c.get("text_config") or c
     hidden = int(text.get("hidden_size") or 0)
@@ -51,7 +57,14 @@ def memory_estimate(job, student_bytes: int, teacher_bytes: int) -> int:
     optimiser = 3 * int(student_bytes * per_byte)
     tokens = cfg.batch * cfg.seq_len
     act = 4 * tokens * (layers * (16 * hidden + 4 * k * width + heads * cfg.seq_len) + 6 * vocab)
-    return weights + optimiser + act
+    if world <= 1:
+        return weights + optimiser + act
+    student, teacher = int(student_bytes * per_byte), int(teacher_bytes * per_byte)
+    layer = max(student, teacher) // max(layers, 1)
+    train = (weights + optimiser + act) // world + 3 * layer  # FSDP2: ~3 layers in flight (gather buffers)
+    build = teacher // world + student  # the student read whole before it is sharded
+    write = student + layer  # rank 0: the gathered student, and the layer of the plain student being read
+    return max(train, build, write)
 
 
 def check_teacher(student_dir: Path, teacher_dir: Path, label: str) -> None:
