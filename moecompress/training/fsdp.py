@@ -3,7 +3,7 @@
 began, data-parallel (``docs/training.md``, ``docs/distributed.md``).
 
 - **Units.** Every decoder layer (attention + :class:`~moecompress.training.student.LayoutMoE`) is one
-  FSDP2 unit, then :class:`Sharded` (a root module holding the student) takes what is left: embeddings,
+  FSDP2 unit, sharded as soon as it is read (:func:`sharded_student`), then :class:`Sharded` (a root module holding the student) takes what is left: embeddings,
   final norm, head. FSDP2 shards per parameter (dim 0, ``torch.chunk``), so a unit may hold trainable and
   frozen parameters together (frozen ones get no gradient and no reduce-scatter); ``requires_grad`` is set
   on the trainable parameters *before* sharding, since FSDP2 builds each unsharded parameter once.
@@ -24,7 +24,7 @@ began, data-parallel (``docs/training.md``, ``docs/distributed.md``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -59,30 +59,47 @@ class Sharded(nn.Module):
         return forward_hidden(self.lm, ids)
 
 
-def shard(student: nn.Module, params: list[nn.Parameter], label: str) -> tuple[Sharded, list]:
-    """``student`` sharded in place (decoder layers, then the root); returns the root and ``params``
-    as the sharded parameters (FSDP2 registers new ones)."""
+def sharded_student(ckpt, device: str, trainable_of: Callable[[int, nn.Module], list[nn.Parameter]],
+                    everything: bool) -> tuple[nn.Module, dict, Sharded, list[nn.Parameter]]:
+    """The student of ``ckpt`` sharded a decoder layer at a time as it is built (a rank holds ``1/N`` of it
+    and one layer whole), each layer's forward checkpointed. ``trainable_of(i, moe)``: MoE layer ``i``'s
+    trainable tensors (called before the layer is sharded: ``requires_grad`` is fixed before FSDP2 sees it);
+    ``everything`` (``trainable: all``) adds every other parameter. Returns ``(model, moes, root, params)``,
+    ``params`` the sharded trainable parameters in one process's order (the MoE tensors layer by layer, then
+    the others in the model's order)."""
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
-    names = {id(p): n for n, p in student.named_parameters()}
-    missing = [p for p in params if id(p) not in names]
-    if missing:
-        raise PassError(f"{label}: {len(missing)} trainable tensor(s) outside the student cannot be sharded")
-    want = [names[id(p)] for p in params]
-    for p in params:
-        p.requires_grad_(True)
-    root = Sharded(student)
-    units = [*student.model.layers, root]
-    for layer in student.model.layers:  # recomputed in the backward: one layer's float32 weights held at a time
-        checkpoint(layer)
-    for unit in units:
-        fully_shard(unit)
-    for unit in units:
+    from moecompress.training.student import LayoutMoE, build_model
+
+    order: list[str] = []
+
+    def on_layer(i: int, layer: nn.Module) -> None:
+        layer.requires_grad_(False)
+        mine = [p for m in layer.modules() if isinstance(m, LayoutMoE) for p in trainable_of(i, m)]
+        names = {id(p): n for n, p in layer.named_parameters()}
+        order.extend(f"model.layers.{i}.{names[id(p)]}" for p in mine)
+        for p in mine:
+            p.requires_grad_(True)
+        if everything:
+            for n, p in layer.named_parameters():
+                p.requires_grad_(p.requires_grad or ".params." not in n)
+        checkpoint(layer)  # recomputed in the backward: one layer's float32 weights held at a time
+        fully_shard(layer)
+
+    model, moes = build_model(ckpt, device, on_layer=on_layer)
+    if everything:
+        order += [n for n, _ in model.named_parameters() if ".params." not in n]
+    want = set(order)
+    for n, p in model.named_parameters():  # build_model froze everything after the layers were sharded
+        p.requires_grad_(n in want)
+    root = Sharded(model)
+    fully_shard(root)
+    for unit in [*model.model.layers, root]:
         unit.set_gradient_divide_factor(1.0)  # summed: each rank's loss is already weighted by its share
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM or AVG)
-    now = dict(student.named_parameters())
-    return root, [now[n] for n in want]
+    now = dict(model.named_parameters())
+    return model, moes, root, [now[n] for n in order]
 
 
 def sharded_teacher(ckpt, device: str) -> tuple[nn.Module, dict, Sharded]:

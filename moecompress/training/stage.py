@@ -11,8 +11,8 @@ teacher's logits with their softmax and gradient). A stage estimated above
 
 Under ``torchrun`` (FSDP2, ``N`` ranks) one rank's peak is the largest of: training, ``(weights +
 optimiser + activations) / N`` plus about three decoder layers' float32 weights in flight (the
-all-gather's buffers and the unsharded parameters); building, ``teacher / N`` plus the whole student
-(read before it is sharded); writing (rank 0), the gathered student plus one layer. Measured on a
+all-gather's buffers and the unsharded parameters; the student and the teacher are sharded a layer at a
+time as they are read); writing (rank 0), the gathered student plus one layer. Measured on a
 6-layer student: 5.3 GiB per rank against 9.4 GiB for one process (``benchmarks/RESULTS.md``).
 """
 
@@ -31,7 +31,7 @@ from moecompress.errors import CheckpointError, PassError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.runtime.lora_mixer import CONFIG_KEY, RoutedLoRALinear
 from moecompress.training.attention_lora import stored_adapters
-from moecompress.training.fsdp import collectives, full_state, plain_student, shard, sharded_teacher
+from moecompress.training.fsdp import collectives, full_state, plain_student, sharded_student, sharded_teacher
 from moecompress.training.loop import train
 from moecompress.training.losses import Objective, Teacher
 from moecompress.training.student import build_model, group_of, non_moe_parameters
@@ -62,9 +62,8 @@ def memory_estimate(job, student_bytes: int, teacher_bytes: int, world: int = 1)
     student, teacher = int(student_bytes * per_byte), int(teacher_bytes * per_byte)
     layer = max(student, teacher) // max(layers, 1)
     train = (weights + optimiser + act) // world + 3 * layer  # FSDP2: ~3 layers in flight (gather buffers)
-    build = teacher // world + student  # the student read whole before it is sharded
     write = student + layer  # rank 0: the gathered student, and the layer of the plain student being read
-    return max(train, build, write)
+    return max(train, write)
 
 
 def check_teacher(student_dir: Path, teacher_dir: Path, label: str) -> None:
@@ -82,6 +81,15 @@ def check_teacher(student_dir: Path, teacher_dir: Path, label: str) -> None:
 
 def _digest(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _moe_trainable(i: int, moe, cfg) -> list[torch.nn.Parameter]:
+    """The trainable tensors of MoE layer ``i`` (``trainable: lora`` attaches its LoRA; otherwise the
+    protected experts' elements are recorded for restoring)."""
+    if cfg.trainable == "lora":
+        return moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
+    moe.freeze_protected()
+    return [p for name, p in moe.named_stored().items() if cfg.trainable == "all" or group_of(name) == cfg.trainable]
 
 
 def _parameters(model, moes, cfg, ckpt) -> tuple[list[torch.nn.Parameter], dict]:
@@ -104,13 +112,7 @@ def _parameters(model, moes, cfg, ckpt) -> tuple[list[torch.nn.Parameter], dict]
     if held and cfg.train_adapters:
         out += adapter_parameters(held)
     for i, moe in moes.items():
-        if trainable == "lora":
-            out += moe.attach_lora(cfg.lora_rank, cfg.lora_alpha, cfg.seed + i)
-            continue
-        moe.freeze_protected()
-        for name, p in moe.named_stored().items():
-            if trainable == "all" or group_of(name) == trainable:
-                out.append(p)
+        out += _moe_trainable(i, moe, cfg)
     if trainable == "all":
         skip = {id(p) for p in [*out, *adapter_parameters(held)]}  # adapters: only with train_adapters
         out += [p for p in non_moe_parameters(model).values() if id(p) not in skip]
@@ -141,7 +143,18 @@ def run_distill(job) -> dict:
         root = None
     teacher = Teacher(teacher_model, teacher_moes, fusion, runner=root)
     teacher_sharded = root is not None
-    student, moes = build_model(student_ck, device)
+    if ranks.world_size > 1:  # FSDP2 (training/fsdp.py): the student sharded, each rank a share of a batch
+        if isinstance(student_ck.raw_config.get(CONFIG_KEY), dict):
+            raise PassError(f"{job.label}: the input stores routed attention adapters, which are not sharded "
+                            "under torchrun; run one process")  # fmt: skip
+        if cfg.batch < ranks.world_size:
+            raise PassError(f"{job.label}: batch {cfg.batch} is smaller than the {ranks.world_size} ranks; "
+                            "raise batch or run fewer ranks")  # fmt: skip
+        student, moes, model, params = sharded_student(student_ck, device, lambda i, m: _moe_trainable(i, m, cfg),
+                                                       cfg.trainable == "all")  # fmt: skip
+        mods: dict = {}
+    else:
+        student, moes = build_model(student_ck, device)
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
         raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
@@ -153,16 +166,9 @@ def run_distill(job) -> dict:
         obj.bind_student_head(student.get_output_embeddings())
         return obj
 
-    params, mods = _parameters(student, moes, cfg, student_ck)
-    model = student
-    if ranks.world_size > 1:  # FSDP2 (training/fsdp.py): the student sharded, each rank a share of a batch
-        if mods:
-            raise PassError(f"{job.label}: the input stores routed attention adapters, which are not sharded "
-                            "under torchrun; run one process")  # fmt: skip
-        if cfg.batch < ranks.world_size:
-            raise PassError(f"{job.label}: batch {cfg.batch} is smaller than the {ranks.world_size} ranks; "
-                            "raise batch or run fewer ranks")  # fmt: skip
-        model, params = shard(student, params, job.label)
+    if ranks.world_size == 1:
+        params, mods = _parameters(student, moes, cfg, student_ck)
+        model = student
     own = {id(p) for p in params}
     n_trainable = sum(p.numel() for p in params)  # (sharded: the global shapes)
     routed = [m for m in mods.values() if isinstance(m, RoutedLoRALinear) and id(m.router) in own]
