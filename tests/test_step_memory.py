@@ -163,12 +163,17 @@ cfg = spec.config(**cfg)
 needs = spec.needs_for(cfg)
 stats = LayerStats.view(0, layer_statistics(layer, needs, tokens=128, sample_tokens=64), needs, step=name)
 spec.fn(layer, stats, cfg)  # once first: BLAS / LAPACK buffers are allocated on first use and kept
-gc.collect()
-reset_peak_rss()
-base = rss_bytes()
-out, _ = spec.fn(layer, stats, cfg)
-print(json.dumps({"growth": peak_rss_bytes() - base, "workspace": spec.workspace(layer, cfg),
-                  "output": 0 if out is layer else out.nbytes()}))
+growth = []
+for _ in range(3):  # the least of 3: what the pass needs; the process's other allocations only add
+    gc.collect()
+    reset_peak_rss()
+    base = rss_bytes()
+    out, _ = spec.fn(layer, stats, cfg)
+    growth.append(peak_rss_bytes() - base)
+    nbytes = 0 if out is layer else out.nbytes()
+    del out
+print(json.dumps({"growth": min(growth), "growths": growth, "workspace": spec.workspace(layer, cfg),
+                  "output": nbytes}))
 """
 
 
@@ -232,7 +237,8 @@ print(json.dumps({"growth": growth, "declared": declared}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs /proc/self/status (VmHWM) and glibc")
 def test_calibration_counts_the_statistics_collector():
-    """Calibration holds one layer's collector: float64 sums, then the float32 means (``3·S + 2·L``). GPTQ's
+    """Calibration holds one layer's collector: float64 sums, then the float32 means (``3·S + 2·L``, ``L``
+    the largest statistic not averaged expert by expert). GPTQ's
     ``expert_in_cov`` is 2 GiB at Qwen3-30B shapes, which the estimate left out (2.29 GiB for every pass)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", COLLECTOR_PROBE], capture_output=True, text=True, env=env)
@@ -240,5 +246,6 @@ def test_calibration_counts_the_statistics_collector():
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["growth"] / 1.25 <= r["declared"] <= 1.25 * r["growth"], r
     sizes = {"expert_in_cov": 4 * 16 * 512 * 512, "input_cov": 4 * 512 * 512}
-    assert resources.collector_bytes(sizes, "forward") == 3 * sum(sizes.values()) + 2 * sizes["expert_in_cov"]
+    # expert_in_cov's means are taken expert by expert: the largest whole float64 mean is input_cov's
+    assert resources.collector_bytes(sizes, "forward") == 3 * sum(sizes.values()) + 2 * sizes["input_cov"]
     assert resources.collector_bytes({"grad_sq_mean": 100, **sizes}, "backward") == 3 * 100 + 2 * 100

@@ -76,12 +76,15 @@ def collector_bytes(stats: Mapping[str, int], kind: str, spilled: frozenset[str]
     """Peak bytes of one layer's statistics collector in calibration (``calibration/stats.py``), from the
     float32 bytes of each statistic (``stats``: name -> bytes, :func:`stat_bytes`) of ``kind`` (``forward``
     or ``backward``): the float64 sums (twice their float32 bytes), and while ``result`` converts them, the
-    largest one's float64 mean and every float32 result (``3·S + 2·L``). ``spilled`` (a chunk's share of the
+    largest one's float64 mean and every float32 result (``3·S + 2·L``; the per-expert covariances,
+    ``expert_in_cov`` and ``down_in_cov``, are converted expert by expert, so ``L`` is the largest other
+    statistic). ``spilled`` (a chunk's share of the
     per-expert covariances, ``StatsCollector.spill``): their float64 sums (``2·S``), handed out and written
     one expert at a time."""
-    mine = [b for name, b in stats.items() if name in CATALOGUE and CATALOGUE[name].kind == kind and name not in spilled]
+    mine = {n: b for n, b in stats.items() if n in CATALOGUE and CATALOGUE[n].kind == kind and n not in spilled}
     apart = sum(b for name, b in stats.items() if name in spilled and CATALOGUE[name].kind == kind)
-    return 3 * sum(mine) + 2 * max(mine, default=0) + 2 * apart
+    whole = [b for n, b in mine.items() if n not in SPILLED]  # means taken expert by expert
+    return 3 * sum(mine.values()) + 2 * max(whole, default=0) + 2 * apart
 
 
 def estimate(
