@@ -230,4 +230,4 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint, launch: Launch | None = None) -> d
         plan["segments"] = [[s.label for s in seg] for seg in cut]
     if not segments.has_stages(recipe):
         return plan
-    return {**plan, **segments.stage_plan(recipe, ckpt, plan, launch or Launch())}
+    return {**plan, **segments.stage_plan(recipe, ckpt, plan, launch)}

@@ -289,7 +289,7 @@ def _prepare(rec: Recipe, *, resume: bool, overwrite: bool, dry_run_only: bool, 
         raise OutputExistsError(f"output directory {out} already exists; pass --overwrite (overwrite=True)")
     ckpt = _open(rec)
     _check_output(rec, ckpt)
-    plan = dry_run(rec, ckpt, launch or Launch())
+    plan = dry_run(rec, ckpt, launch)
     resources.check(rec, plan, out.parent, memory=resources.available_memory(), disk_free=resources.free_disk(out))
     fingerprint = _check_calibration_source(rec, ckpt)
     if resume:

@@ -3,8 +3,8 @@
 began, data-parallel (``docs/training.md``, ``docs/distributed.md``).
 
 - **Units.** Every decoder layer (attention + :class:`~moecompress.training.student.LayoutMoE`) is one
-  FSDP2 unit, sharded as soon as it is read (:func:`sharded_student`), then :class:`Sharded` (a root module holding the student) takes what is left: embeddings,
-  final norm, head. FSDP2 shards per parameter (dim 0, ``torch.chunk``), so a unit may hold trainable and
+  FSDP2 unit, sharded as soon as it is read (:func:`sharded_student`), then :class:`Sharded` (a root module
+  holding the student) takes what is left: embeddings, final norm, head. FSDP2 shards per parameter (dim 0, ``torch.chunk``), so a unit may hold trainable and
   frozen parameters together (frozen ones get no gradient and no reduce-scatter); ``requires_grad`` is set
   on the trainable parameters *before* sharding, since FSDP2 builds each unsharded parameter once.
 - **Data.** Every rank draws the same seeded batch indices; rank ``r`` takes the ``r``-th of

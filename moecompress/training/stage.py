@@ -155,6 +155,8 @@ def run_distill(job) -> dict:
         mods: dict = {}
     else:
         student, moes = build_model(student_ck, device)
+        params, mods = _parameters(student, moes, cfg, student_ck)
+        model = student
     d_s, d_t = student.config.hidden_size, teacher_model.config.hidden_size
     if cfg.method == "hidden_mse" and d_s != d_t:
         raise PassError(f"{job.label}: hidden_mse needs equal hidden sizes (student {d_s}, teacher {d_t}); use kd")
@@ -166,9 +168,6 @@ def run_distill(job) -> dict:
         obj.bind_student_head(student.get_output_embeddings())
         return obj
 
-    if ranks.world_size == 1:
-        params, mods = _parameters(student, moes, cfg, student_ck)
-        model = student
     own = {id(p) for p in params}
     n_trainable = sum(p.numel() for p in params)  # (sharded: the global shapes)
     routed = [m for m in mods.values() if isinstance(m, RoutedLoRALinear) and id(m.router) in own]
