@@ -149,7 +149,9 @@ from moecompress.passes import BUILTIN_PASSES
 from moecompress.testing import layer_statistics
 
 name, cfg = sys.argv[1], json.loads(sys.argv[2])
-e, h, i = 16, 512, 256
+# svd_experts at 16 x 512 x 256 grows by 13-23 MB from run to run (glibc's reuse of freed blocks across its
+# many small factors); at 4x the size every run grows by the same bytes
+e, h, i = (16, 1024, 512) if name == "svd_experts" else (16, 512, 256)
 g = torch.Generator().manual_seed(0)
 
 def w(*s):  # pairs of near-copies: a merge groups pairs (the mean group at ratio 0.5)

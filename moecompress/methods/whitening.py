@@ -31,29 +31,46 @@ TRI_BLOCK = 512
 zero blocks, ``(n/b + 1) / (2n/b)`` of a full product's work (0.54 at n = 7168)."""
 
 
-def clamp_psd(cov: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """``cov`` (symmetrised, float64) with eigenvalues clamped to ``eps · mean eigenvalue``."""
+def _symmetrised(cov: torch.Tensor) -> torch.Tensor:
+    """``(cov + covᵀ) / 2`` in float64, one new matrix (``cov`` is left as it is)."""
     c = cov.double()
-    c = (c + c.T) / 2
+    return (c + c.T).mul_(0.5)  # x·0.5 == x/2 exactly
+
+
+def _clamped(c: torch.Tensor, eps: float) -> torch.Tensor:
+    """Symmetric float64 ``c`` with its eigenvalues clamped to ``eps · mean eigenvalue``."""
     lam, q = torch.linalg.eigh(c)
     floor = eps * max(float(lam.clamp_min(0).mean()), 1e-300)
     return (q * lam.clamp_min(floor)) @ q.T
+
+
+def clamp_psd(cov: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """``cov`` (symmetrised, float64) with eigenvalues clamped to ``eps · mean eigenvalue``."""
+    return _clamped(_symmetrised(cov), eps)
+
+
+CHOL_COPIES = 4
+"""Peak ``n × n`` float64 matrices :func:`chol` allocates, its result included: 3 when the covariance is
+positive definite above the floor (the symmetrised copy, the shifted copy and the trial factor), 4 when it
+is clamped first (the symmetrised copy, the eigenvectors and ``eigh``'s workspace of about two more);
+measured 2.98–3.00 and 4.0 at n = 1024 and 2048."""
 
 
 def chol(cov: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """Lower-triangular ``L`` with ``L Lᵀ = clamp_psd(cov)`` (float64). When ``cov − eps·(tr cov / n)·I``
     has a Cholesky factor, every eigenvalue is above the floor (so none is negative and their mean is
     ``tr cov / n``): the clamp changes nothing, and ``cov`` is factorised without its eigendecomposition
-    (the same matrix up to rounding; the ``eigh`` of a ``7168²`` covariance is ~25x its Cholesky)."""
-    c = cov.double()
-    c = (c + c.T) / 2
+    (the same matrix up to rounding; the ``eigh`` of a ``7168²`` covariance is ~25x its Cholesky). At most
+    :data:`CHOL_COPIES` matrices alive at once."""
+    c = _symmetrised(cov)
     floor = eps * max(float(c.diagonal().sum()) / max(c.shape[0], 1), 1e-300)
-    shifted = c - floor * torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
-    if int(torch.linalg.cholesky_ex(shifted).info) == 0:
-        del shifted
-        return torch.linalg.cholesky(c)
+    shifted = c.clone()
+    shifted.diagonal().sub_(floor)  # == c - floor·I, without the identity matrix
+    ok = int(torch.linalg.cholesky_ex(shifted).info) == 0
     del shifted
-    return torch.linalg.cholesky(clamp_psd(cov, eps))
+    if not ok:
+        c = _clamped(c, eps)
+    return torch.linalg.cholesky(c)
 
 
 def inv_sqrt(cov: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -202,6 +219,25 @@ COVARIANCES = {
     "down": ("down_in_cov_pooled", "out_grad_cov"),
 }
 ALL_NEEDS = frozenset(n for pair in COVARIANCES.values() for n in pair)
+
+
+def whitener_bytes(side: str, shapes: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """``(held, peak)`` bytes of :func:`projection_whiteners` for projections ``{name: (out, in)}``: the
+    float64 transforms it returns, and the most alive while it makes them (those made before plus
+    :data:`CHOL_COPIES` of the one being made)."""
+    use_in, use_out = side in ("input", "both"), side in ("output", "both")
+    held = peak = 0
+    seen: set[tuple[str, str]] = set()
+    for proj, pair in COVARIANCES.items():
+        if pair in seen or proj not in shapes:
+            continue
+        seen.add(pair)
+        out, inn = shapes[proj]
+        for n, used in ((inn, use_in), (out, use_out)):
+            if used:
+                peak = max(peak, held + CHOL_COPIES * n * n * 8)
+                held += n * n * 8
+    return held, peak
 
 
 def whitening_needs(side: str) -> set[str]:
