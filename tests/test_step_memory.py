@@ -251,3 +251,50 @@ def test_calibration_counts_the_statistics_collector():
     # expert_in_cov's means are taken expert by expert: the largest whole float64 mean is input_cov's
     assert resources.collector_bytes(sizes, "forward") == 3 * sum(sizes.values()) + 2 * sizes["input_cov"]
     assert resources.collector_bytes({"grad_sq_mean": 100, **sizes}, "backward") == 3 * 100 + 2 * 100
+
+
+WHITENER_PROBE = r"""
+import gc, json, torch
+from moecompress.engine.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
+from moecompress.methods.whitening import projection_whiteners, whitener_bytes
+
+h, i = 1024, 512
+g = torch.Generator().manual_seed(0)
+
+def cov(n, rows):  # rows < n: rank-deficient, clamped before its Cholesky factor
+    x = torch.randn(rows, n, generator=g, dtype=torch.float64)
+    return x.T @ x / rows
+
+out = {}
+for rows in (4096, 256):
+    stats = {"input_cov": cov(h, rows), "down_in_cov_pooled": cov(i, rows)}
+    growth = []
+    for _ in range(2):  # the first allocates LAPACK's buffers
+        gc.collect()
+        reset_peak_rss()
+        base = rss_bytes()
+        wh = projection_whiteners(stats, "input")
+        growth.append((peak_rss_bytes() - base, rss_bytes() - base))
+        del wh
+    out[rows] = growth[-1]
+out["declared"] = whitener_bytes("input", {"gate": (i, h), "up": (i, h), "down": (h, i)})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs /proc/self/status (VmHWM) and glibc")
+def test_whitener_bytes_is_what_making_the_whiteners_allocates():
+    """svd_experts, tdmoe and expert_structure make one float64 whitener per distinct covariance; the
+    Cholesky path (full rank) keeps 3 matrices alive, the clamped one (rank-deficient, fewer calibration
+    tokens than the hidden size) 4: the declared peak is the clamped one's."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", WHITENER_PROBE], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    held, peak = r["declared"]
+    assert held == (1024**2 + 512**2) * 8
+    for rows in ("4096", "256"):
+        grown, kept = r[rows]
+        assert abs(kept - held) <= 0.05 * held, r  # the factors only
+        assert grown <= 1.05 * peak, r
+    assert r["256"][0] >= peak / 1.25, r  # the clamped path is the declared one
