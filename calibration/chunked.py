@@ -174,6 +174,8 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
                 col.resume_batch(states[b], u)
                 _, _, w = states[b]
                 expert_partials(bank, u, phys[b], w, outs[b], accs[b], col, first)
+            col.mode = "stats"
+            col.sample_chunk(first, bank)  # expert_out_gram: the chunk's experts on the io_sample tokens
             if save_experts is not None:  # expert by expert: one expert's rows and writer copy at a time
                 for e in range(first, first + bank.num_experts):
                     save_experts(i, e, col.spill(e, e + 1))
@@ -221,6 +223,8 @@ def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: d
             us[b] = _flat(layer.recorder.seen).to(cpu)
             layer.recorder.seen = None
             _, _, weights[b], phys[b] = layer.route(us[b].to(dev))
+            col.on_input(us[b].to(dev))  # backward mode: keeps the Ward tokens (expert_out_gram_fisher)
+            col.on_output_grad(grads[b].to(dev))  # out_grad_cov, in batch order, before the chunks
             wgrad[b] = torch.zeros_like(weights[b])
             gu[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
     mod = None  # not held while the chunks are: read again for the last recomputation
@@ -241,6 +245,7 @@ def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: d
             vjp(b, functools.partial(_chunk_output, layer.shell, bank, first, phys[b], wl, col))
             if wl.grad is not None:
                 wgrad[b] += wl.grad
+        col.sample_chunk(first, bank)  # expert_out_gram_fisher: the chunk's experts on the Ward tokens
         del bank
     for b in grads:
         if layer.shell.shared is not None:
@@ -252,7 +257,6 @@ def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: d
                 w.backward(wgrad[b])
         if u.grad is not None:
             gu[b] += u.grad.float()
-        col.on_output_grad(grads[b].to(dev))
         us[b] = wgrad[b] = None
     mod = layer.module()
     for b in grads:

@@ -20,9 +20,10 @@ import math
 import torch
 
 from moecompress.calibration.catalogue import ALWAYS
+from moecompress.calibration.grams import WardOutputs
 from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
-from moecompress.methods.mixture import AUTO_TOKENS, expert_output_gram, fit_tokens, route_energy
+from moecompress.methods.mixture import AUTO_TOKENS
 
 SPILLED = ("expert_in_cov", "down_in_cov")
 """The per-expert covariances (``[E, H, H]``, ``[E, I, I]``): at DeepSeek-V3 shapes 205 MB of float32 per
@@ -86,6 +87,7 @@ class StatsCollector:
         """a round's unindexed additions, in order (several per batch for the pooled sums)"""
         self._spill = spill
         self._apart: dict[str, dict[int, torch.Tensor]] = {}
+        self._ward = WardOutputs(layer, self.names)
         """``spill``: the :data:`SPILLED` float64 sums of the experts not yet handed out, by expert"""
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -228,6 +230,15 @@ class StatsCollector:
         self._off, self._ids, self._weights = state
         self._x = x
 
+    def sample_chunk(self, first: int, bank) -> None:
+        """Experts ``first, first + 1, …`` (a chunk, ``bank``) on the Ward tokens, kept for
+        ``expert_out_gram`` (forward) or ``expert_out_gram_fisher`` (backward, every batch's gradient given
+        first, :meth:`on_output_grad`): :class:`~moecompress.calibration.grams.WardOutputs`."""
+        backward = self.mode == "backward"
+        xs = self._io["gram_x" if backward else "io_sample_x"]
+        grad_tokens = min(self.sample_tokens, self._n_grad_tokens)
+        self._ward.sample(first, bank, backward, torch.cat(xs) if xs else None, grad_tokens)
+
     def on_output_grad(self, g: torch.Tensor) -> None:
         """The gradient ``g`` w.r.t. the MoE output of one batch (what the hook of :meth:`on_output` sees
         in the whole-layer backward)."""
@@ -334,7 +345,8 @@ class StatsCollector:
         for key, parts in self._io.items():
             if parts and key != "gram_x":
                 out[key] = torch.cat(parts)
-        out.update(self._grams(out))
+        gram_x = torch.cat(self._io["gram_x"]) if self._io["gram_x"] else None
+        out.update(self._ward.grams(out, gram_x, min(self.sample_tokens, self._n_grad_tokens)))
         if "route_attrib" in self.names:
             out.update(self._attribution)
         if math.isnan(float(out.get("router_entropy", torch.tensor(0.0)))):
@@ -343,31 +355,6 @@ class StatsCollector:
                 "finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
             )
         return out
-
-    def _grams(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``expert_out_gram`` (forward: from the kept ``io_sample_x``) and ``expert_out_gram_fisher``
-        (backward: from the same tokens' MoE inputs seen again, and this sweep's ``out_grad_cov``), computed
-        once the layer's sweep is complete, from the sample alone: a data-parallel merge, which rebuilds the
-        sample bit for bit, gives the bits of one process."""
-        grams: dict[str, torch.Tensor] = {}
-        if "expert_out_gram" in self.names and "io_sample_x" in out:
-            xs = out["io_sample_x"][: fit_tokens(len(out["io_sample_x"]))]
-            grams["expert_out_gram"] = expert_output_gram(self._dense_layer(), xs)
-            info = [float(len(xs)), route_energy(self.layer, xs)]
-            grams["expert_out_gram_route"] = torch.tensor(info, dtype=torch.float64)
-        if "expert_out_gram_fisher" in self.names and self._io["gram_x"] and "out_grad_cov" in out:
-            n = fit_tokens(min(self.sample_tokens, self._n_grad_tokens))
-            xs = torch.cat(self._io["gram_x"])[:n]
-            grams["expert_out_gram_fisher"] = expert_output_gram(self._dense_layer(), xs, out["out_grad_cov"])
-        return grams
-
-    def _dense_layer(self) -> MoELayer:
-        if any(t.device.type == "meta" for t in self.layer.experts.gate.tensors().values()):
-            raise CheckpointError(
-                f"layer {self.layer.index}: expert_out_gram needs every expert of the layer at once, but it is "
-                "calibrated by chunks of experts; set expert_chunk: off"
-            )
-        return self.layer
 
     # -- data-parallel calibration (calibration/sweep.py) ---------------------------------------------
     def take_round(self) -> dict[str, torch.Tensor]:

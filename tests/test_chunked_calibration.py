@@ -29,7 +29,8 @@ HEAPR = {"act_sq_mean", "grad_sq_mean", "expert_counts"}
 REAP = {"expert_counts", "reap_saliency"}
 ALWAYS = {"expert_counts", "router_prob_mean", "router_entropy", "holdout"}
 MORE = {"input_cov", "expert_in_sq_mean", "down_in_cov", "down_in_cov_pooled", "down_out_absmax", "down_out_argmax",
-        "io_sample", "out_grad_cov", "down_in_grad_cov_pooled", "expert_out_norm_mean"}  # fmt: skip
+        "io_sample", "out_grad_cov", "down_in_grad_cov_pooled", "expert_out_norm_mean", "expert_out_gram",
+        "expert_out_gram_fisher"}  # fmt: skip
 POOLED = {"down_in_cov_pooled"}
 ADAPTERS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe"]
 

@@ -151,16 +151,19 @@ def _rows(out, name):
         ("qwen3_moe", "namex", {"ratio": 0.5, "refine_steps": 0}),
         ("qwen3_moe", "namex", {"ratio": 0.5}),
         ("deepseek_v3", "namex", {"ratio": 0.25, "refine_steps": 0}),
+        # a budget over layers: expert_out_gram(_fisher) gathered chunk by chunk (calibration/chunked.py)
+        ("qwen3_moe", "merge_experts", {"target_experts": {"ratio": 0.5, "scale": "relative"}}),
+        ("deepseek_v3", "namex", {"target_experts": {"ratio": 0.4}, "refine_steps": 0}),
     ],
 )
 def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_type, name, cfg):
     from tiny import save_tiny
 
     extra = {"num_experts_per_tok": 2} if model_type == "deepseek_v3" else {}
-    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2, **extra)
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=3 if "target_experts" in cfg else 2, **extra)
     steps = [PROTECT, {name: cfg}]
     _run(tmp_path / "m", tmp_path / "whole", steps, "off", tmp_path / "c")
-    _run(tmp_path / "m", tmp_path / "chunk", steps, 3, tmp_path / "c")
+    _run(tmp_path / "m", tmp_path / "chunk", steps, 3, tmp_path / "c2")  # calibrated again, by chunks
     (wt, wc), (ct, cc) = _files(tmp_path / "whole"), _files(tmp_path / "chunk")
     assert wc == cc and wt.keys() == ct.keys()
     for k in wt:

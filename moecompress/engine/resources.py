@@ -39,6 +39,7 @@ from moecompress.io.reader import read_groups
 from moecompress.io.writer import parse_size
 from moecompress.ir import MoELayer, cast_layer
 from moecompress.methods.attribution import ATTRIB_TOKENS, trace_bytes
+from moecompress.methods.mixture import AUTO_TOKENS
 
 GiB = 1024**3
 
@@ -127,6 +128,10 @@ def estimate(
         sizes = {k: -(-b * n // e) if k in SPILLED else b for k, b in sizes.items()}
         apart = frozenset(SPILLED)
     fwd, bwd = collector_bytes(sizes, "forward", apart), collector_bytes(sizes, "backward", apart)
+    if chunks:  # a chunked layer keeps every expert's outputs on the Ward tokens for its Gram (float32)
+        sampled = max(ckpt.adapter.num_experts, 1) * min(AUTO_TOKENS, tokens) * hidden * 4
+        fwd += sampled if "expert_out_gram" in set(recipe.needs) else 0
+        bwd += sampled if "expert_out_gram_fisher" in set(recipe.needs) else 0
     mem = STEP_BASE_BYTES + 2 * act + tokens * 8 + in_layer + fwd  # the forward sweep
     disk = 0
     if backward_needed(set(recipe.needs) | ALWAYS):

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from moecompress.ir import MoELayer
+from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.merging import gram_features, ward_costs
 from moecompress.reference import expert_forward, route, router_logits
 
@@ -143,6 +143,42 @@ GRAM_BLOCK = 16
 """Tokens per block of :func:`expert_output_gram` (its float64 outputs ``[E, GRAM_BLOCK, H]`` at a time)."""
 
 
+def sample_outputs(bank: ExpertBank, xs: torch.Tensor) -> torch.Tensor:
+    """Every expert of ``bank`` on every token of ``xs`` ``[T, H]`` (routed or not): ``[E, T, H]`` as
+    :func:`~moecompress.reference.expert_forward` gives them, computed by blocks of ``GRAM_BLOCK`` tokens as
+    :func:`expert_output_gram` computes them (the same bits): a layer calibrated by chunks of experts keeps
+    its chunks' rows and makes the Gram from them at the end (:func:`gram_of_outputs`)."""
+    xs = xs.float()
+    parts = [torch.stack([expert_forward(bank, i, xs[a : a + GRAM_BLOCK]) for i in range(bank.num_experts)])
+             for a in range(0, len(xs), GRAM_BLOCK)]  # fmt: skip
+    if not parts:
+        return xs.new_zeros(bank.num_experts, 0, xs.shape[-1])
+    return torch.cat(parts, 1)
+
+
+def _basis(grad_cov: torch.Tensor | None) -> torch.Tensor | None:
+    if grad_cov is None:
+        return None
+    lam, u = torch.linalg.eigh((grad_cov.double() + grad_cov.double().T) / 2)
+    return u * lam.clamp_min(0).sqrt()  # ‖δ‖² in this basis = δᵀ G δ
+
+
+def _gram_add(gram: torch.Tensor, outs: torch.Tensor, basis: torch.Tensor | None) -> None:
+    """One block of tokens' outputs ``[E, t, H]`` (float64) added to ``gram``."""
+    flat = (outs if basis is None else outs @ basis).flatten(1)
+    gram += flat @ flat.T
+
+
+def gram_of_outputs(outs: torch.Tensor, grad_cov: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`expert_output_gram` from the experts' outputs ``outs`` ``[E, T, H]`` (:func:`sample_outputs`):
+    the same blocks, the same additions, the same bits."""
+    basis = _basis(grad_cov)
+    gram = torch.zeros(outs.shape[0], outs.shape[0], dtype=torch.float64)
+    for a in range(0, outs.shape[1], GRAM_BLOCK):
+        _gram_add(gram, outs[:, a : a + GRAM_BLOCK].double(), basis)
+    return gram
+
+
 def expert_output_gram(
     layer: MoELayer, xs: torch.Tensor, grad_cov: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -152,16 +188,11 @@ def expert_output_gram(
     blocks of ``GRAM_BLOCK`` tokens, so the float64 outputs held are ``E · GRAM_BLOCK · H`` values."""
     bank = layer.experts
     xs = xs.float()
-    basis = None
-    if grad_cov is not None:
-        lam, u = torch.linalg.eigh((grad_cov.double() + grad_cov.double().T) / 2)
-        basis = u * lam.clamp_min(0).sqrt()  # ‖δ‖² in this basis = δᵀ G δ
+    basis = _basis(grad_cov)
     gram = torch.zeros(bank.num_experts, bank.num_experts, dtype=torch.float64)
     for a in range(0, len(xs), GRAM_BLOCK):
         part = xs[a : a + GRAM_BLOCK]
-        outs = torch.stack([expert_forward(bank, i, part).double() for i in range(bank.num_experts)])
-        flat = (outs if basis is None else outs @ basis).flatten(1)
-        gram += flat @ flat.T
+        _gram_add(gram, torch.stack([expert_forward(bank, i, part).double() for i in range(bank.num_experts)]), basis)
     return gram
 
 

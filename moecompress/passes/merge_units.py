@@ -26,7 +26,6 @@ from moecompress.passes.expert_merging import (
     fit_held,
     plan_merge,
 )
-from moecompress.passes.merge_budget import MergeBudget
 from moecompress.reference import experts_forward, route, shared_forward
 
 
@@ -35,9 +34,6 @@ def refuse_chunks(cfg: MergeOptions) -> str | None:
     if cfg.similarity == "weight":
         return ("groups by every expert's flattened weights at once (similarity: weight); use similarity: "
                 "output_tokens, output or router")  # fmt: skip
-    if isinstance(cfg.target_experts, MergeBudget):
-        return ("spends a budget over layers from expert_out_gram, which calibration collects only on whole "
-                "layers; use a count per layer (ratio, target_experts: N or {layer: groups})")  # fmt: skip
     return None
 
 
