@@ -387,12 +387,12 @@ def main() -> None:
     ap.add_argument("--calibrate-only", action="store_true", help="deepseek --run: calibration alone, peak vs estimate")
     ap.add_argument("--keep-cache", action="store_true", help="deepseek --calibrate-only: keep the statistics for the next --run")
     ap.add_argument("--set", nargs="*", default=[], metavar="STEP.FIELD=JSON",
-                    help="override a step's field, e.g. codequant.finetune_steps=10")
+                    help="override a step's field, e.g. codequant.finetune_steps=10 (null: leave it unset)")
     args = ap.parse_args()
     for item in args.set:  # this run's step configs (printed with each measurement)
         key, value = item.split("=", 1)
         step, field = key.split(".", 1)
-        STEPS[step] = {**STEPS[step], field: json.loads(value)}
+        STEPS[step] = {k: v for k, v in {**STEPS[step], field: json.loads(value)}.items() if v is not None}  # null: unset
     args.expert_chunk = int(args.expert_chunk) if args.expert_chunk.isdigit() else args.expert_chunk
     root = Path(args.workdir or tempfile.mkdtemp(prefix="real-scale-"))
     root.mkdir(parents=True, exist_ok=True)

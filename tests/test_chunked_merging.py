@@ -174,10 +174,37 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_ty
         for k in ("layer", "params_before", "params_after", "bytes_before", "bytes_after", "changed"):
             assert ra[k] == rb[k], k
         assert rb["rel_error"] == pytest.approx(ra["rel_error"], rel=1e-4)
-        ia, ib = ra["info"], rb["info"]
+        ia, ib = ra["info"], dict(rb["info"])
+        big = ib.pop("largest_unit", None)  # by chunks only: a group of more members than the chunk, alone
+        assert big is None or big["members"] > 3 == big["chunk"], big
         assert ia.keys() == ib.keys()
         for k, v in ia.items():
             if k.startswith("rel_error"):
                 assert ib[k] == pytest.approx(v, rel=1e-5, abs=1e-7)
             else:
                 assert ib[k] == v, k
+
+
+def test_a_group_larger_than_the_chunk_is_warned_and_refused_when_it_cannot_fit(tmp_path, monkeypatch):
+    """Ward groups are not size-limited: a unit holds a larger group alone. The report says so with the bytes
+    beyond the dry run's units; a group that alone exceeds the memory limit is refused before it is read."""
+    import json
+
+    from tiny import save_tiny
+
+    from moecompress.engine import layer_run
+    from moecompress.errors import MoecompressError
+
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    steps = [{"merge_experts": {"ratio": 0.75}}]  # 8 experts -> 2 groups: one has at least 4 members
+    res = _run(tmp_path / "m", tmp_path / "o", steps, 2, tmp_path / "c")
+    (f,) = (tmp_path / "o").glob("steps/*/report.json")
+    rep = json.loads(f.read_text())
+    bigs = [r["info"]["largest_unit"] for r in rep["layers"]]
+    assert all(b["members"] >= 4 and b["chunk"] == 2 and b["extra_bytes"] > 0 for b in bigs), bigs
+    assert any("merged at once, beyond the units of 2" in w for w in rep["warnings"]), rep["warnings"]
+    assert res is not None
+    monkeypatch.setattr(layer_run, "units_memory_limit", lambda recipe: 1)  # nothing fits at run time
+    with pytest.raises(MoecompressError, match=r"step 1 \(merge_experts\), layer \d+: a group of \d+ experts is merged at once.*over the memory limit"):
+        _run(tmp_path / "m", tmp_path / "o2", steps, 2, tmp_path / "c")
+    assert not (tmp_path / "o2").exists()

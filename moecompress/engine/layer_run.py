@@ -38,6 +38,7 @@ from moecompress.engine import chunks
 from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.shard import layer_chunks
 from moecompress.engine.unit_work import ErrPart, StepPart, encode_chunk, prepare, skeleton, whole_parts
+from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
 from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape
@@ -171,6 +172,31 @@ def _take_whole(run: RecipeRun, idx: int, step, part: StepPart, rows: dict[int, 
     run.peak[number] = max(run.peak[number], rss_mb())
 
 
+def _large_unit(run: RecipeRun, lp, size: int, g: int) -> dict | None:
+    """A merging step's units of at most ``size`` members hold a group of more members alone (Ward groups
+    are not size-limited), beyond the dry run's estimate: ``None`` when none does; else the largest unit's
+    members and the bytes it holds beyond a unit of ``size`` (the report warns). Refused here, before any
+    member is read, in one line, when that unit alone would not fit the memory limit."""
+    step, dec, shell = lp.steps[g], lp.preludes[g], lp.shells[g]
+    n = max((len(dec.members(lo, hi)) for lo, hi in dec.units(size)), default=0)
+    if n <= size:
+        return None
+    work = step.spec.chunking.workspace
+    read = -(-shell.experts.nbytes() // max(shell.experts.num_experts, 1))  # one input expert as read
+
+    def need(k: int) -> int:
+        return work(shell, step.config, k) + k * read
+
+    extra, limit = need(n) - need(size), units_memory_limit(run.rec)
+    if limit is not None and need(n) > limit:
+        raise PassError(
+            f"{step.label}, layer {lp.idx}: a group of {n} experts is merged at once and needs about "
+            f"{need(n) / 2**30:.1f} GiB, over the memory limit of {limit / 2**30:.1f} GiB (Ward groups are not "
+            "size-limited); use a smaller ratio, linkage: average, or a machine with more memory"
+        )
+    return {"members": n, "chunk": size, "extra_bytes": int(extra)}
+
+
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     """A layer whose merging step (``Chunking('group')``, step ``g``) runs by units of groups: the earlier
     steps only protect, the later ones only report (:func:`unit_work.prepare` checks). Per unit, its
@@ -193,6 +219,8 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     secs, stock = lp.secs, {}
     parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
     parts[g], infos, bnds = [], [], []
+
+    big = _large_unit(run, lp, size, g)
 
     def members(lo: int, hi: int) -> tuple[list[int], ExpertBank]:
         mem = dec.members(lo, hi)
@@ -226,6 +254,8 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
             for state in range(g + 1, len(steps) + 1):  # the merge and the reports after it
                 err.add(err.part_rows(state, new, rows))
         parts[g].append(skeleton(new))
+        if big is not None and not infos:
+            info = {**info, "largest_unit": big}
         infos.append(info)
         bnds.append((lo, hi))
         out = writes = None  # the unit's output and its encoded tensors: gone before the next unit is read

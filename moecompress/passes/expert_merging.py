@@ -395,7 +395,11 @@ def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:
             "bytes_before": sum(infos[i]["bytes_before"] for i in layers),
             "bytes_after": sum(infos[i]["bytes_after"] for i in layers),
         },
-        "warnings": [],
+        "warnings": [
+            f"layer {i}: a group of {big['members']} experts was merged at once, beyond the units of "
+            f"{big['chunk']} the dry run estimated (about {big['extra_bytes'] / 2**30:.2f} GiB more)"
+            for i in layers if (big := infos[i].get("largest_unit"))
+        ],
         "plots": [
             {"file": "groups.png", "kind": "heatmap", "title": "group (physical expert) of each expert, scaled",
              "data": groups, "xlabel": "expert (original id)", "ylabel": "MoE layer (order)"},
