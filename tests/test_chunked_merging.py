@@ -175,8 +175,8 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_ty
             assert ra[k] == rb[k], k
         assert rb["rel_error"] == pytest.approx(ra["rel_error"], rel=1e-4)
         ia, ib = ra["info"], dict(rb["info"])
-        big = ib.pop("largest_unit", None)  # by chunks only: a group of more members than the chunk, alone
-        assert big is None or big["members"] > 3 == big["chunk"], big
+        big = ib.pop("largest_unit", None)  # by chunks only: a unit needing more than the dry run planned
+        assert big is None or (big["chunk"] == 3 and big["extra_bytes"] > 0), big
         assert ia.keys() == ib.keys()
         for k, v in ia.items():
             if k.startswith("rel_error"):
@@ -187,7 +187,7 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_ty
 
 def test_a_group_larger_than_the_chunk_is_warned_and_refused_when_it_cannot_fit(tmp_path, monkeypatch):
     """Ward groups are not size-limited: a unit holds a larger group alone. The report says so with the bytes
-    beyond the dry run's units; a group that alone exceeds the memory limit is refused before it is read."""
+    beyond the dry run's units; a unit that alone exceeds the memory limit is refused before it is read."""
     import json
 
     from tiny import save_tiny
@@ -202,9 +202,30 @@ def test_a_group_larger_than_the_chunk_is_warned_and_refused_when_it_cannot_fit(
     rep = json.loads(f.read_text())
     bigs = [r["info"]["largest_unit"] for r in rep["layers"]]
     assert all(b["members"] >= 4 and b["chunk"] == 2 and b["extra_bytes"] > 0 for b in bigs), bigs
-    assert any("merged at once, beyond the units of 2" in w for w in rep["warnings"]), rep["warnings"]
+    assert any("needed more than the dry run's units of 2" in w for w in rep["warnings"]), rep["warnings"]
     assert res is not None
     monkeypatch.setattr(layer_run, "units_memory_limit", lambda recipe: 1)  # nothing fits at run time
-    with pytest.raises(MoecompressError, match=r"step 1 \(merge_experts\), layer \d+: a group of \d+ experts is merged at once.*over the memory limit"):
+    with pytest.raises(MoecompressError, match=r"step 1 \(merge_experts\), layer \d+: a unit of \d+ experts .*over the memory limit"):
         _run(tmp_path / "m", tmp_path / "o2", steps, 2, tmp_path / "c")
     assert not (tmp_path / "o2").exists()
+
+
+def test_group_workspace_counts_what_merging_a_unit_holds():
+    """While a unit's group of ``c`` members merges: its members, one alignment and the unit's groups merged
+    before it (one float32 copy each); the plan assumes the layer's mean group size."""
+    from moecompress.passes.expert_merging import ALIGN
+    from moecompress.passes.merge_units import group_workspace
+
+    layer = make_layer(seed=7, copies=(1, 6))
+    cfg = me.MergeExpertsConfig(ratio=0.5, similarity="router")  # no summaries: experts only
+    one = group_workspace(layer, cfg, 1, groups=[2]) // (2 + ALIGN)  # float32 bytes of one expert
+    assert group_workspace(layer, cfg, 6, groups=[6]) == one * (6 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[2, 2, 2]) == one * (2 + 2 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[1, 1, 4]) == one * (4 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[1] * 6) == 0
+    assert group_workspace(layer, cfg, 6, sets=3, in_flight=5, groups=[2, 2, 2]) == one * (3 * 3 + 5)
+    # the plan: 8 experts at ratio 0.5, mean merged group 2: (6 + 2) / 2 + ALIGN
+    assert group_workspace(layer, cfg, 6) == one * (4 + ALIGN)
+    # merge_experts folds the members in one at a time: the base and the sum, whatever the group's size
+    assert group_workspace(layer, cfg, 6, groups=[6], streamed=True) == one * (2 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[2, 4], streamed=True) == one * (1 + 2 + ALIGN)

@@ -172,29 +172,33 @@ def _take_whole(run: RecipeRun, idx: int, step, part: StepPart, rows: dict[int, 
     run.peak[number] = max(run.peak[number], rss_mb())
 
 
-def _large_unit(run: RecipeRun, lp, size: int, g: int) -> dict | None:
-    """A merging step's units of at most ``size`` members hold a group of more members alone (Ward groups
-    are not size-limited), beyond the dry run's estimate: ``None`` when none does; else the largest unit's
-    members and the bytes it holds beyond a unit of ``size`` (the report warns). Refused here, before any
-    member is read, in one line, when that unit alone would not fit the memory limit."""
+def _unit_overrun(run: RecipeRun, lp, size: int, g: int) -> dict | None:
+    """A merging step's units, once its groups are decided, against the dry run's unit of ``size``
+    members (``Chunking.workspace``: its planned group size): ``None`` when every unit fits that plan; else
+    the unit that needs the most (a group larger than the plan's, or larger than ``size``, which a unit
+    holds alone: Ward groups are not size-limited), its members and the bytes beyond the plan (the report
+    warns). Refused here, before any member is read, in one line, when that unit alone would not fit the
+    memory limit."""
     step, dec, shell = lp.steps[g], lp.preludes[g], lp.shells[g]
-    n = max((len(dec.members(lo, hi)) for lo, hi in dec.units(size)), default=0)
-    if n <= size:
-        return None
     work = step.spec.chunking.workspace
     read = -(-shell.experts.nbytes() // max(shell.experts.num_experts, 1))  # one input expert as read
-
-    def need(k: int) -> int:
-        return work(shell, step.config, k) + k * read
-
-    extra, limit = need(n) - need(size), units_memory_limit(run.rec)
-    if limit is not None and need(n) > limit:
+    planned = work(shell, step.config, size) + size * read
+    worst, members = planned, size
+    for lo, hi in dec.units(size):
+        k = len(dec.members(lo, hi))
+        need = work(shell, step.config, k, groups=[len(m) for m in dec.plan.groups[lo:hi]]) + k * read
+        if need > worst:
+            worst, members = need, k
+    if worst <= planned:
+        return None
+    limit = units_memory_limit(run.rec)
+    if limit is not None and worst > limit:
         raise PassError(
-            f"{step.label}, layer {lp.idx}: a group of {n} experts is merged at once and needs about "
-            f"{need(n) / 2**30:.1f} GiB, over the memory limit of {limit / 2**30:.1f} GiB (Ward groups are not "
-            "size-limited); use a smaller ratio, linkage: average, or a machine with more memory"
+            f"{step.label}, layer {lp.idx}: a unit of {members} experts (its groups merged at once) needs "
+            f"about {worst / 2**30:.1f} GiB, over the memory limit of {limit / 2**30:.1f} GiB (Ward groups are "
+            "not size-limited); use a smaller ratio, linkage: average, or a machine with more memory"
         )
-    return {"members": n, "chunk": size, "extra_bytes": int(extra)}
+    return {"members": members, "chunk": size, "extra_bytes": int(worst - planned)}
 
 
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
@@ -220,7 +224,7 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
     parts[g], infos, bnds = [], [], []
 
-    big = _large_unit(run, lp, size, g)
+    big = _unit_overrun(run, lp, size, g)
 
     def members(lo: int, hi: int) -> tuple[list[int], ExpertBank]:
         mem = dec.members(lo, hi)

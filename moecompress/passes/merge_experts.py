@@ -25,13 +25,14 @@ Example step::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import Field
 
 from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.ir import MoELayer
-from moecompress.methods.merging import Params, combine, sub_
+from moecompress.methods.merging import Params, sub_
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
@@ -67,6 +68,20 @@ def _summarize(infos: dict[int, dict], cfg: MergeExpertsConfig) -> dict:
     return out
 
 
+def fold(members: Iterator[Params], coeffs: list[float]) -> Params:
+    """``combine(base, [m − base, …], coeffs)`` with the members (base first) taken one at a time: the same
+    additions in the same order (the same bits), holding the base, the sum and one member."""
+    base = next(members)
+    out = {k: v.clone() for k, v in base.items()}
+    for c in coeffs:  # not zip: its reused result tuple would keep the last member while the next is made
+        p = sub_(next(members), base)  # in place
+        if c:
+            for k in out:
+                out[k] += float(c) * p[k]
+        del p
+    return out
+
+
 def merge_groups(plan: MergePlan, cfg: MergeExpertsConfig, first: int = 0) -> tuple[dict[int, Params], dict]:
     """The merged experts of ``plan``'s groups with two or more members, and the ``weights`` entry
     (``first``: the layer's number of the plan's first group, for a :meth:`MergePlan.unit`)."""
@@ -75,10 +90,9 @@ def merge_groups(plan: MergePlan, cfg: MergeExpertsConfig, first: int = 0) -> tu
     for g, members in enumerate(plan.groups):
         if len(members) < 2:
             continue
-        params = plan.members(g)
-        w = plan.weights(g) if cfg.method == "frequency" else [1 / len(params)] * len(params)
+        w = plan.weights(g) if cfg.method == "frequency" else [1 / len(members)] * len(members)
         w = [float(v) for v in w]
-        merged[g] = combine(params[0], [sub_(p, params[0]) for p in params[1:]], w[1:])  # in place
+        merged[g] = fold(plan.iter_members(g), w[1:])
         weights[str(first + g)] = w  # base first
     return merged, {"method": cfg.method, "weights": weights}
 
@@ -94,7 +108,7 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 CHUNKING = Chunking(
     "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=fit_groups,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
-    workspace=group_workspace,
+    workspace=lambda layer, cfg, n, groups=None: group_workspace(layer, cfg, n, groups=groups, streamed=True),
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
 
@@ -110,5 +124,5 @@ SPEC = PassSpec(
     plans=chosen_later,
     summarize=_summarize, alters=frozenset({"routing", "weights"}),
     chunking=CHUNKING,
-    workspace=lambda layer, cfg: merge_workspace(layer, cfg),
+    workspace=lambda layer, cfg: merge_workspace(layer, cfg, streamed=True),
 )

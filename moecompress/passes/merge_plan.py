@@ -5,6 +5,7 @@ judged on, and what a merging pass builds from them (``namex``, ``merge_experts`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,18 +81,22 @@ class MergePlan:
 
     def members(self, g: int) -> list[Params]:
         """Float32 parameters of group ``g``: the base first, then the others (aligned if ``align``)."""
+        return list(self.iter_members(g))
+
+    def iter_members(self, g: int) -> Iterator[Params]:
+        """:meth:`members` one at a time (a merge that folds them in holds the base and one member)."""
         bank = self.layer.experts
         b = self.bases[g]
         base = expert_params(bank, self._at(b))
-        out = [base]
+        yield base
         for e in self.groups[g]:
             if e != b:
                 p = expert_params(bank, self._at(e))
                 if self.cfg.align:
                     p, n = align_to(base, p)
                     self.moved += n
-                out.append(p)
-        return out
+                yield p
+                del p
 
     def weights(self, g: int) -> torch.Tensor:
         """Usage frequencies of group ``g``'s members (base first), summing to 1 (uniform if unused)."""

@@ -22,9 +22,11 @@ from moecompress.passes.expert_merging import (
     PROJ,
     MergeOptions,
     MergePlan,
+    chosen_later,
     expert_summaries,
     fit_held,
     plan_merge,
+    target_groups,
 )
 from moecompress.reference import experts_forward, route, shared_forward
 
@@ -46,20 +48,41 @@ def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: d
     return acc
 
 
-def group_workspace(layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0) -> int:
-    """The dry run's workspace of a merging step by chunks of ``n`` experts (``Chunking.workspace``): the
-    summaries gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit
-    tokens' outputs ``[E, 64, H]``), held to the end, and one unit of ``n`` members in the two phases of
-    :func:`merge_workspace` (at most ``⌈n/2⌉`` merged groups: the members and one alignment while merging,
-    ``sets`` copies and ``in_flight`` more after). A group of more than ``n`` members is read alone: it
-    needs more (the step's report lists the groups)."""
+def group_workspace(
+    layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0, groups: list[int] | None = None,
+    streamed: bool = False,
+) -> int:
+    """The workspace of a merging step by units of ``n`` members (``Chunking.workspace``): the summaries
+    gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit tokens' outputs
+    ``[E, 64, H]``), held to the end, and one unit in the two phases of :func:`merge_workspace`, in float32
+    experts:
+
+    - while the unit's group of ``c`` members is merged: its members, one alignment (``ALIGN``) and the
+      unit's groups merged before it (one copy each). Each of those had two or more members, so they are at
+      most ``(n − c)/2``: ``(n + c)/2 + ALIGN`` in all;
+    - after: ``sets`` copies of the unit's merged groups (at most ``⌈n/2⌉``) and ``in_flight`` more.
+
+    ``groups``: the unit's group sizes in order, known once the groups are decided (exact; the run's check,
+    ``layer_run._unit_overrun``); else the dry run's plan, with ``c`` the layer's mean merged group size
+    (as :func:`merge_workspace`), capped at ``n``. ``streamed`` (``merge_experts``, whose members are folded
+    in one at a time): the base and the sum stand for the ``c`` members."""
     bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
     expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
     sums = 4 * e * h * ((AUTO_TOKENS if cfg.similarity == "output_tokens" or cfg.target_experts == "auto" else 0)
                         + (1 if cfg.similarity == "output" else 0))  # fmt: skip
-    half = -(-n // 2)
-    return sums + expert * max(half + n + ALIGN, sets * half + in_flight)
+    if groups is not None:
+        merging, done = 0, 0
+        for c in groups:
+            if c > 1:
+                merging = max(merging, done + (2 if streamed else c) + ALIGN)
+                done += 1
+        return sums + expert * max(merging, sets * done + in_flight)
+    t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
+    m = min(t, e - t)
+    c = min(n, -(-(e - t + m) // max(m, 1)))
+    held = -(-(n - c) // 2) + (2 if streamed else c)  # the groups merged before it, and its members
+    return sums + expert * max(held + ALIGN, sets * -(-n // 2) + in_flight)
 
 
 @dataclass

@@ -273,8 +273,8 @@ def _fit(acc, shell: MoELayer, stats: LayerStats, cfg: NamexConfig):
 CHUNKING = Chunking(
     "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=_fit,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
-    workspace=lambda layer, cfg, n: group_workspace(
-        layer, cfg, n, *((3 if cfg.phase else 2, 5) if cfg.refine_steps else (1, 3))
+    workspace=lambda layer, cfg, n, groups=None: group_workspace(
+        layer, cfg, n, *((3 if cfg.phase else 2, 5) if cfg.refine_steps else (1, 3)), groups=groups
     ),  # as _workspace
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
