@@ -540,6 +540,13 @@ def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
 
 
 @pytest.mark.slow
+def test_merging_by_chunks_runs_on_rank_0_while_the_others_wait(model):
+    """namex by units of groups (expert_chunk: 3) under 2 ranks: the calibration by chunks is shared out,
+    the merge's units are worked by rank 0 alone (rank 1 serves no chunk), one process's bytes."""
+    _compare_sharded(model, "mg", [{"namex": {"ratio": 0.25, "refine_steps": 0}}], served=0, expert_chunk=3)
+
+
+@pytest.mark.slow
 def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_the_same_bytes(model):
     steps = [{"heapr": {"ratio": 0.25}}, {"rtn": {"bits": 4}}]
     one, two = _recipe(model, "kl", steps)

@@ -207,9 +207,7 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     members are read (runs of consecutive ids), their share of the original error sum added, the unit's
     output experts made, written and added to the merged layer's error sum."""
     steps, idx = run.rec.steps, lp.idx
-    if run.ctx.ranks.world_size > 1:
-        raise PassError(f"{steps[g].label}, layer {idx}: merging by chunks of experts runs in one process; "
-                        "run it without torchrun, or expert_chunk: off")  # fmt: skip
+    # under torchrun rank 0 works every unit while the other ranks wait for its next command (shard.follow)
     written = [s for s, step in enumerate(steps) if step.number in run.writers]
     early = [s for s in written if s < g]
     if early:
