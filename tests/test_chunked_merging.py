@@ -227,5 +227,6 @@ def test_group_workspace_counts_what_merging_a_unit_holds():
     # the plan: 8 experts at ratio 0.5, mean merged group 2: (6 + 2) / 2 + ALIGN
     assert group_workspace(layer, cfg, 6) == one * (4 + ALIGN)
     # merge_experts folds the members in one at a time: the base and the sum, whatever the group's size
-    assert group_workspace(layer, cfg, 6, groups=[6], streamed=True) == one * (2 + ALIGN)
-    assert group_workspace(layer, cfg, 6, groups=[2, 4], streamed=True) == one * (1 + 2 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[6], cap=2) == one * (2 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[2, 4], cap=2) == one * (1 + 2 + ALIGN)
+    assert group_workspace(layer, cfg, 6, groups=[6], cap=4) == one * (4 + ALIGN)  # namex: HOLD_MEMBERS

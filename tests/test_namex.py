@@ -265,3 +265,20 @@ def test_impossible_recipes_fail_in_the_dry_run(tiny):
     ]:
         with pytest.raises(PassError, match=match):
             _apply(tiny, "never", step, dry_run=True)
+
+
+def test_a_large_group_made_again_from_the_bank_gives_the_held_groups_bits(monkeypatch):
+    """A group of more than HOLD_MEMBERS members makes its task vectors again when they are needed instead
+    of holding them (the Gram, the two directions): the merged experts and the report are the same bits."""
+    from moecompress.passes import namex as nx
+
+    layer = make_layer(seed=7, copies=(1, 6))
+    stats = make_stats(layer, n=96)
+    cfg = nx.NamexConfig(ratio=0.75, refine_steps=0)  # 8 experts -> 2 groups: one of 7
+    streamed, info = nx.namex(layer, stats, cfg)
+    assert max(len(g) for g in info["groups"]) > nx.HOLD_MEMBERS
+    monkeypatch.setattr(nx, "HOLD_MEMBERS", 100)  # every group held
+    held, info_held = nx.namex(layer, stats, cfg)
+    for p in ("gate", "up", "down"):
+        assert torch.equal(getattr(streamed.experts, p).dense(), getattr(held.experts, p).dense()), p
+    assert info["merged_groups"] == info_held["merged_groups"]

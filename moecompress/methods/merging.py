@@ -361,12 +361,17 @@ def permute(p: Params, perm: torch.Tensor) -> Params:
     return out
 
 
-def align_to(base: Params, member: Params) -> tuple[Params, int]:
-    """``member`` with its neurons permuted to match ``base``'s (weight matching: maximise
-    ``Σ_i ⟨f_b(i), f_m(π(i))⟩`` over permutations, ``f`` = :func:`neuron_features`). The function the
-    expert computes is unchanged. Returns the aligned member and how many neurons moved."""
+def match(base: Params, member: Params) -> torch.Tensor:
+    """The permutation of ``member``'s neurons that matches ``base``'s (weight matching: maximise
+    ``Σ_i ⟨f_b(i), f_m(π(i))⟩`` over permutations, ``f`` = :func:`neuron_features`)."""
     score = neuron_features(base).double() @ neuron_features(member).double().T
-    perm = torch.from_numpy(linear_assignment(-score.numpy()))
+    return torch.from_numpy(linear_assignment(-score.numpy()))
+
+
+def align_to(base: Params, member: Params) -> tuple[Params, int]:
+    """``member`` with its neurons permuted to match ``base``'s (:func:`match`). The function the expert
+    computes is unchanged. Returns the aligned member and how many neurons moved."""
+    perm = match(base, member)
     return permute(member, perm), int((perm != torch.arange(len(perm))).sum())
 
 

@@ -108,7 +108,7 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 CHUNKING = Chunking(
     "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=fit_groups,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
-    workspace=lambda layer, cfg, n, groups=None: group_workspace(layer, cfg, n, groups=groups, streamed=True),
+    workspace=lambda layer, cfg, n, groups=None: group_workspace(layer, cfg, n, groups=groups, cap=2),  # fold
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
 

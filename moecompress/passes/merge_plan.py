@@ -5,7 +5,7 @@ judged on, and what a merging pass builds from them (``namex``, ``merge_experts`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +18,9 @@ from moecompress.methods.merging import (
     Params,
     align_to,
     expert_params,
+    match,
+    permute,
+    sub_,
 )
 from moecompress.methods.metrics import relative_error
 from moecompress.reference import (
@@ -97,6 +100,42 @@ class MergePlan:
                     self.moved += n
                 yield p
                 del p
+
+    def task_vectors(self, g: int, hold: bool) -> tuple[Params, Callable[[int], Params], int]:
+        """Group ``g``'s base (float32) and its other members' task vectors ``τ_i = member_i − base``
+        (aligned if ``align``; in :meth:`members`' order): ``(base, tau, k)`` with ``tau(i)`` the ``i``-th
+        of ``k``. ``hold``: made once and kept; else each member's alignment is kept and ``tau(i)`` makes its
+        vector again from the bank when asked (the same bits), so a large group holds the base and the
+        vectors in use, not every member."""
+        bank = self.layer.experts
+        b = self.bases[g]
+        base = expert_params(bank, self._at(b))
+        others = [e for e in self.groups[g] if e != b]
+        perms: list[torch.Tensor | None] = []
+        held: list[Params] = []
+
+        def make(i: int, perm: torch.Tensor | None) -> Params:
+            p = expert_params(bank, self._at(others[i]))
+            return sub_(p if perm is None else permute(p, perm), base)  # in place
+
+        for i, e in enumerate(others):
+            perm = None
+            if self.cfg.align:
+                p = expert_params(bank, self._at(e))
+                perm = match(base, p)
+                self.moved += int((perm != torch.arange(len(perm))).sum())
+                p = sub_(permute(p, perm), base) if hold else None
+            else:
+                p = make(i, None) if hold else None
+            perms.append(perm)
+            if hold:
+                held.append(p)  # type: ignore[arg-type]
+            del p
+
+        def tau(i: int) -> Params:
+            return held[i] if hold else make(i, perms[i])
+
+        return base, tau, len(others)
 
     def weights(self, g: int) -> torch.Tensor:
         """Usage frequencies of group ``g``'s members (base first), summing to 1 (uniform if unused)."""

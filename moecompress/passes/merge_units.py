@@ -50,7 +50,7 @@ def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: d
 
 def group_workspace(
     layer: MoELayer, cfg: MergeOptions, n: int, sets: int = 1, in_flight: int = 0, groups: list[int] | None = None,
-    streamed: bool = False,
+    cap: int | None = None,
 ) -> int:
     """The workspace of a merging step by units of ``n`` members (``Chunking.workspace``): the summaries
     gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit tokens' outputs
@@ -64,8 +64,9 @@ def group_workspace(
 
     ``groups``: the unit's group sizes in order, known once the groups are decided (exact; the run's check,
     ``layer_run._unit_overrun``); else the dry run's plan, with ``c`` the layer's mean merged group size
-    (as :func:`merge_workspace`), capped at ``n``. ``streamed`` (``merge_experts``, whose members are folded
-    in one at a time): the base and the sum stand for the ``c`` members."""
+    (as :func:`merge_workspace`), capped at ``n``. ``cap``: the most float32 experts a group's members take
+    whatever its size (``merge_experts`` folds them in one at a time: the base and the sum, 2; ``namex``
+    makes a large group's task vectors again when needed: ``namex.HOLD_MEMBERS``)."""
     bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
     expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
@@ -75,13 +76,13 @@ def group_workspace(
         merging, done = 0, 0
         for c in groups:
             if c > 1:
-                merging = max(merging, done + (2 if streamed else c) + ALIGN)
+                merging = max(merging, done + (c if cap is None else min(c, cap)) + ALIGN)
                 done += 1
         return sums + expert * max(merging, sets * done + in_flight)
     t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
     m = min(t, e - t)
     c = min(n, -(-(e - t + m) // max(m, 1)))
-    held = -(-(n - c) // 2) + (2 if streamed else c)  # the groups merged before it, and its members
+    held = -(-(n - c) // 2) + (c if cap is None else min(c, cap))  # the groups merged before it, its members
     return sums + expert * max(held + ALIGN, sets * -(-n // 2) + in_flight)
 
 

@@ -59,7 +59,7 @@ from pydantic import Field, field_validator
 from moecompress.engine.spec import Chunking, LayerStats, PassSpec
 from moecompress.errors import MethodError, PassError
 from moecompress.ir import ExpertBank, MoELayer
-from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward, sub_
+from moecompress.methods.merging import Params, combine, dot, nash_weights, norm, params_forward
 from moecompress.passes.expert_merging import (
     NEEDS,
     MergeOptions,
@@ -151,19 +151,18 @@ def merge_groups(plan: MergePlan, cfg: NamexConfig, first: int = 0) -> tuple[dic
     for g, members in enumerate(plan.groups):
         if len(members) < 2:
             continue
-        params = plan.members(g)
-        base, taus = params[0], [sub_(m, params[0]) for m in params[1:]]  # in place: one copy per member
-        live = [i for i, t in enumerate(taus) if norm(t) > 0]
-        gram = torch.tensor([[dot(taus[i], taus[j]) for j in live] for i in live], dtype=torch.float64)
+        base, tau, k = plan.task_vectors(g, hold=len(members) <= HOLD_MEMBERS)
+        live = [i for i in range(k) if norm(tau(i)) > 0]
+        gram = torch.tensor(_gram(tau, live), dtype=torch.float64)
         try:
             a, residual, iters = nash_weights(gram.reshape(len(live), len(live)))
         except MethodError as err:
             raise PassError(f"group {members} (base {plan.bases[g]}): {err}") from None
-        alpha = [0.0] * len(taus)
+        alpha = [0.0] * k
         for i, v in zip(live, a.tolist()):
             alpha[i] = v
         f = plan.weights(g)[1:].tolist()
-        nash_dir, freq_dir = combine(_zero(base), taus, alpha), combine(_zero(base), taus, f)
+        nash_dir, freq_dir = _directions(base, tau, alpha, f)
         n_nash = norm(nash_dir)
         gamma0 = norm(freq_dir) / n_nash if n_nash > 0 else 0.0
         held = plan.group_data(g, "held")
@@ -188,6 +187,43 @@ def namex(layer: MoELayer, stats: LayerStats, cfg: NamexConfig) -> tuple[MoELaye
         merged = _refine_all(plan, merged, cfg, info)
     new = plan.build(merged)
     return new, {**plan.info(new), **info}
+
+
+HOLD_MEMBERS = 4
+"""A group of at most this many members keeps its task vectors; a larger one makes each again from the
+bank when it is needed (:meth:`~moecompress.passes.merge_plan.MergePlan.task_vectors`: the same bits), so
+it holds the base, two vectors and the two directions whatever its size, for ``k(k+1)/2 + 2k`` vectors
+made instead of ``k``."""
+
+
+def _gram(tau, live: list[int]) -> list[list[float]]:
+    """``[[⟨τ_i, τ_j⟩ for j in live] for i in live]``, each entry computed as ``dot(τ_i, τ_j)`` (row
+    ``i`` first), with two vectors in hand at a time."""
+    out = [[0.0] * len(live) for _ in live]
+    for a, i in enumerate(live):
+        ti = tau(i)
+        for b in range(a, len(live)):
+            tj = ti if b == a else tau(live[b])
+            out[a][b], out[b][a] = dot(ti, tj), dot(tj, ti)
+            del tj
+        del ti
+    return out
+
+
+def _directions(base: Params, tau, alpha: list[float], freq: list[float]) -> tuple[Params, Params]:
+    """``combine(0, τ, alpha)`` and ``combine(0, τ, freq)`` (the same additions in the same order), the
+    vectors taken one at a time."""
+    nash, fdir = _zero(base), _zero(base)
+    for i, (a, f) in enumerate(zip(alpha, freq, strict=True)):
+        if not (a or f):
+            continue
+        t = tau(i)
+        for out, c in ((nash, a), (fdir, f)):
+            if c:
+                for key in out:
+                    out[key] += float(c) * t[key]
+        del t
+    return nash, fdir
 
 
 def _zero(p: Params) -> Params:
@@ -274,7 +310,8 @@ CHUNKING = Chunking(
     "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=_fit,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
     workspace=lambda layer, cfg, n, groups=None: group_workspace(
-        layer, cfg, n, *((3 if cfg.phase else 2, 5) if cfg.refine_steps else (1, 3)), groups=groups
+        layer, cfg, n, *((3 if cfg.phase else 2, 5) if cfg.refine_steps else (1, 3)), groups=groups,
+        cap=HOLD_MEMBERS,
     ),  # as _workspace
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 
