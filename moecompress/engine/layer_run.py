@@ -190,7 +190,7 @@ def _unit_overrun(run: RecipeRun, lp, size: int, g: int) -> dict | None:
         if need > worst:
             worst, members = need, k
     if worst <= planned:
-        return None
+        return None  # (the report warns when it is over by more than a tenth: expert_merging.summarize_merging)
     limit = units_memory_limit(run.rec)
     if limit is not None and worst > limit:
         raise PassError(
@@ -198,7 +198,7 @@ def _unit_overrun(run: RecipeRun, lp, size: int, g: int) -> dict | None:
             f"about {worst / 2**30:.1f} GiB, over the memory limit of {limit / 2**30:.1f} GiB (Ward groups are "
             "not size-limited); use a smaller ratio, linkage: average, or a machine with more memory"
         )
-    return {"members": members, "chunk": size, "extra_bytes": int(worst - planned)}
+    return {"members": members, "chunk": size, "extra_bytes": int(worst - planned), "planned_bytes": int(planned)}
 
 
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:

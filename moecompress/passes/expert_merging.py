@@ -409,7 +409,8 @@ def summarize_merging(infos: dict[int, dict], cfg: MergeOptions) -> dict:
         "warnings": [
             f"layer {i}: a unit of {big['members']} experts needed more than the dry run's units of "
             f"{big['chunk']} (its groups larger than planned): about {big['extra_bytes'] / 2**30:.2f} GiB more"
-            for i in layers if (big := infos[i].get("largest_unit"))
+            for i in layers
+            if (big := infos[i].get("largest_unit")) and big["extra_bytes"] > 0.1 * big.get("planned_bytes", 0)
         ],
         "plots": [
             {"file": "groups.png", "kind": "heatmap", "title": "group (physical expert) of each expert, scaled",

@@ -64,7 +64,9 @@ def group_workspace(
 
     ``groups``: the unit's group sizes in order, known once the groups are decided (exact; the run's check,
     ``layer_run._unit_overrun``); else the dry run's plan, with ``c`` the layer's mean merged group size
-    (as :func:`merge_workspace`), capped at ``n``. ``cap``: the most float32 experts a group's members take
+    (as :func:`merge_workspace`), capped at ``n``, and the unit's share of the layer's ``m`` merged groups
+    before it, ``m·n/E`` (at most ``(n − c)/2``): measured at 64 DeepSeek-V3 experts, ratio 0.25, units of
+    22, the bound ``(n − c)/2`` put the estimate 34 % above the peak (`benchmarks/RESULTS.md`). ``cap``: the most float32 experts a group's members take
     whatever its size (``merge_experts`` folds them in one at a time: the base and the sum, 2; ``namex``
     makes a large group's task vectors again when needed: ``namex.HOLD_MEMBERS``)."""
     bank, e, h = layer.experts, layer.router.num_experts, layer.hidden_size
@@ -82,7 +84,8 @@ def group_workspace(
     t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
     m = min(t, e - t)
     c = min(n, -(-(e - t + m) // max(m, 1)))
-    held = -(-(n - c) // 2) + (c if cap is None else min(c, cap))  # the groups merged before it, its members
+    before = min(-(-(n - c) // 2), -(-m * n // max(e, 1)))  # the unit's share of the merged groups
+    held = before + (c if cap is None else min(c, cap))  # the groups merged before it, its members
     return sums + expert * max(held + ALIGN, sets * -(-n // 2) + in_flight)
 
 
