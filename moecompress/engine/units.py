@@ -161,6 +161,8 @@ def chunk_peaks(
         chunking = step.spec.chunking
         if chunking is not None and chunking.workspace is not None and chunking.mode == "group":
             work = chunking.workspace(layer, step.config, n)  # the layer's summaries, a unit of n members
+            if step in written:  # a unit's merges are freed before its output is encoded: the larger of the two
+                work = max(0, work - sub.experts.nbytes())
         elif chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
             work = chunking.workspace(before, step.config)
         else:
