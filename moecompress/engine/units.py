@@ -160,10 +160,9 @@ def chunk_peaks(
                 after = before
         chunking = step.spec.chunking
         if chunking is not None and chunking.workspace is not None and chunking.mode == "group":
-            work = chunking.workspace(layer, step.config, n)  # the layer's summaries, a unit of n members
-            if step in written:  # a unit's merges are freed before its output is encoded: the larger of the two
-                work = max(0, work - sub.experts.nbytes())
-        elif chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
+            out.append(_unit_peak(layer, before, step, n, dtype, stats, k == 0, step in written) + rest + sums)
+            continue  # the later steps only report: the unit's input stands for their layer (an upper bound)
+        if chunking is not None and chunking.workspace is not None:  # a two-phase step: both phases
             work = chunking.workspace(before, step.config)
         else:
             work = step.spec.workspace(before, step.config) if step.spec.workspace is not None else 0
@@ -171,6 +170,25 @@ def chunk_peaks(
         out.append(peak + rest + sums)
         before = after
     return out
+
+
+def _unit_peak(layer: MoELayer, unit: MoELayer, step, n: int, dtype: torch.dtype, stats: int, first: bool,
+               written: bool) -> int:  # fmt: skip
+    """A merging step's peak on a unit of ``n`` members (``unit``: its input, ``meta``) of ``layer``, the
+    larger of two phases (``layer_run._grouped_layer``): the merges (``Chunking.workspace``: the layer's
+    summaries, the unit's float32 copies, the output bank made from them), then, once they are freed, the
+    unit's output (``n·t/E`` experts, ``t`` the layer's groups after the step) with its encoded tensors or
+    its cast for the reconstruction error. Measured at 64 DeepSeek-V3 experts (`benchmarks/RESULTS.md`)."""
+    e = layer.router.num_experts
+    try:
+        t = step.spec.emitted(layer, step.config).experts.num_experts
+    except MoecompressError:  # the count is decided later (a budget, auto): every member kept, an upper bound
+        t = e
+    kept = min(n, -(-n * t // max(e, 1)))
+    output = chunks.sub_layer(layer, chunks.meta_bank(layer.experts, 0, kept), 0)
+    merging = resources.step_peak(unit, unit, dtype, stats, step.spec.chunking.workspace(layer, step.config, n),
+                                  first=first, written=False)  # fmt: skip
+    return max(merging, resources.step_peak(unit, output, dtype, stats, 0, first=first, written=written))
 
 
 def auto_size(
