@@ -60,7 +60,8 @@ def group_workspace(
     - while the unit's group of ``c`` members is merged: its members, one alignment (``ALIGN``) and the
       unit's groups merged before it (one copy each). Each of those had two or more members, so they are at
       most ``(n − c)/2``: ``(n + c)/2 + ALIGN`` in all;
-    - after: ``sets`` copies of the unit's merged groups (at most ``⌈n/2⌉``) and ``in_flight`` more.
+    - after: ``sets`` copies of the unit's merged groups (at most ``⌈n/2⌉``; planned: its share ``m·n/E``)
+      and ``in_flight`` more.
 
     ``groups``: the unit's group sizes in order, known once the groups are decided (exact; the run's check,
     ``layer_run._unit_overrun``); else the dry run's plan, with ``c`` the layer's mean merged group size
@@ -84,9 +85,9 @@ def group_workspace(
     t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
     m = min(t, e - t)
     c = min(n, -(-(e - t + m) // max(m, 1)))
-    before = min(-(-(n - c) // 2), -(-m * n // max(e, 1)))  # the unit's share of the merged groups
-    held = before + (c if cap is None else min(c, cap))  # the groups merged before it, its members
-    return sums + expert * max(held + ALIGN, sets * -(-n // 2) + in_flight)
+    share = -(-m * n // max(e, 1))  # the unit's share of the layer's merged groups
+    held = min(-(-(n - c) // 2), share) + (c if cap is None else min(c, cap))  # merged before it, its members
+    return sums + expert * max(held + ALIGN, sets * min(-(-n // 2), share) + in_flight)
 
 
 @dataclass
