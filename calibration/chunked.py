@@ -220,10 +220,12 @@ def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: d
         for b in grads:
             args, kw = kwargs[b][i]
             run_batch(mod, inputs[b], args, kw, dev)
-            us[b] = _flat(layer.recorder.seen).to(cpu)
+            u = _flat(layer.recorder.seen).to(dev)
+            us[b] = u.to(cpu)
             layer.recorder.seen = None
-            _, _, weights[b], phys[b] = layer.route(us[b].to(dev))
-            col.on_input(us[b].to(dev))  # backward mode: keeps the Ward tokens (expert_out_gram_fisher)
+            _, _, weights[b], phys[b] = layer.route(u)
+            col.on_input(u)  # backward mode: keeps the Ward tokens (expert_out_gram_fisher)
+            del u
             col.on_output_grad(grads[b].to(dev))  # out_grad_cov, in batch order, before the chunks
             wgrad[b] = torch.zeros_like(weights[b])
             gu[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
