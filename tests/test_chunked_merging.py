@@ -9,11 +9,19 @@ import torch
 from test_namex import make_layer, make_stats
 
 from moecompress.engine import chunks
+from moecompress.engine.unit_work import _pair_order
 from moecompress.ir import ExpertBank
 from moecompress.layouts.dense import Dense
 from moecompress.passes import merge_experts as me
 from moecompress.passes import namex as nx
-from moecompress.passes.merge_units import fit_groups, gather_summaries, merge_units, run_unit
+from moecompress.passes.merge_units import (
+    fit_groups,
+    gather_pair,
+    gather_summaries,
+    merge_units,
+    run_unit,
+    weight_pairs,
+)
 
 PROJ = ("gate", "up", "down")
 CONFIGS = [
@@ -25,6 +33,8 @@ CONFIGS = [
     ("namex", {"ratio": 0.5, "refine_steps": 0, "router": "collapse", "align": False}),
     ("namex", {"ratio": 0.5}),  # refined: the choice on the whole layer's held-back error, an unwritten pass first
     ("namex", {"ratio": 0.25, "router": "collapse", "phase": 0.0}),
+    ("frequency", {"ratio": 0.25, "similarity": "weight", "metric": "euclidean", "linkage": "average"}),
+    ("namex", {"ratio": 0.5, "similarity": "weight", "refine_steps": 0}),  # ward on the weight Gram's points
 ]
 
 
@@ -50,9 +60,14 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     stats = make_stats(layer, n=96)
     whole_fn, merge_groups, cfg = _pass(name, kw)
     whole, info = whole_fn(layer, stats, cfg)
-    acc = None
-    for a, b in chunks.bounds(8, size):  # the first sweep: each chunk's summaries
-        acc = gather_summaries(chunks.sub_layer(layer, chunks.meta_bank(layer.experts, a, b), a), stats, cfg, acc)
+    acc, bounds = None, list(chunks.bounds(8, size))
+    sub = lambda k: chunks.sub_layer(layer, chunks.meta_bank(layer.experts, *bounds[k]), bounds[k][0])  # noqa: E731
+    for i, j in _pair_order(len(bounds)):  # the first sweep: each chunk's summaries, every pair's Gram block
+        a = sub(i)
+        if i == j:
+            acc = gather_summaries(a, stats, cfg, acc)
+        if weight_pairs(cfg):
+            acc = gather_pair(a, a if i == j else sub(j), cfg, (bounds[i][0], bounds[j][0]), 8, acc)
     dec = fit_groups(acc, _shell(layer), stats, cfg)
     if name == "namex" and cfg.refine_steps:
         dec.variants = nx.refine_variants
@@ -154,6 +169,8 @@ def _rows(out, name):
         # a budget over layers: expert_out_gram(_fisher) gathered chunk by chunk (calibration/chunked.py)
         ("qwen3_moe", "merge_experts", {"target_experts": {"ratio": 0.5, "scale": "relative"}}),
         ("deepseek_v3", "namex", {"target_experts": {"ratio": 0.4}, "refine_steps": 0}),
+        ("qwen3_moe", "merge_experts", {"ratio": 0.5, "similarity": "weight"}),  # the Gram from pairs of chunks
+        ("deepseek_v3", "namex", {"ratio": 0.25, "similarity": "weight", "refine_steps": 0}),
     ],
 )
 def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_type, name, cfg):

@@ -28,17 +28,30 @@ def _plan(model, tmp_path, steps, chunk, **cal):
 @pytest.mark.parametrize(
     ("step", "why"),
     [
-        ({"namex": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights"),
-        ({"merge_experts": {"ratio": 0.25, "similarity": "weight"}}, r"groups by every expert.s flattened weights.*use similarity: output_tokens"),
+        ({"tdmoe": {"method": "hooi"}}, r"method: hooi iterates over every expert.*use method: hosvd"),
+        ({"tdmoe": {"budget": "from_structure"}}, r"budget: from_structure scans .*use budget: uniform or adaptive"),
     ],
 )
-def test_a_merge_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step, why):
+def test_a_step_needing_every_expert_is_refused_on_a_chunked_layer(model, tmp_path, step, why):
     name = next(iter(step))
     with pytest.raises(RecipeError, match=rf"step 1 \({name}\), layer \d+: {why}") as err:
         _plan(model, tmp_path, [step], 3)
     msg = str(err.value)
     assert "\n" not in msg and "GiB for the whole layer" in msg and "expert_chunk: off" in msg
     _plan(model, tmp_path, [step], "off")  # whole layers: accepted
+
+
+@pytest.mark.parametrize("name", ["namex", "merge_experts"])
+def test_weight_similarity_runs_by_chunks_holding_a_second_chunk_for_the_gram(model, tmp_path, name):
+    """``similarity: weight`` groups by the experts' weight Gram, made on chunks from every pair of them: the
+    dry run accepts it and counts the Gram and a second chunk, not the whole layer's flattened weights."""
+    step = {name: {"ratio": 0.25, "similarity": "weight"}}
+    other = {name: {"ratio": 0.25, "similarity": "router"}}
+    mem = lambda plan, k=1: plan["step_memory"][f"step {k} ({name})"]  # noqa: E731
+    whole = mem(_plan(model, tmp_path, [step], "off"))["bytes"]
+    chunked, by_router = mem(_plan(model, tmp_path, [step], 2)), mem(_plan(model, tmp_path, [other], 2))
+    assert chunked["chunk"] == 2 and 0 < chunked["bytes"] < whole
+    assert chunked["bytes"] > by_router["bytes"]  # the Gram and the pairs' second chunk
 
 
 @pytest.mark.parametrize("step", [{"namex": {"ratio": 0.25}}, {"merge_experts": {"ratio": 0.25}}])
@@ -99,11 +112,11 @@ def test_auto_chunks_only_what_does_not_fit(model, tmp_path):
 
 
 def test_auto_leaves_a_layer_whole_when_a_step_cannot_chunk(model, tmp_path):
-    step = {"namex": {"ratio": 0.25, "similarity": "weight"}}
-    whole = _plan(model, tmp_path, [step], "off")["step_memory"]["step 1 (namex)"]["bytes"]
+    step = {"tdmoe": {"method": "hooi"}}
+    whole = _plan(model, tmp_path, [step], "off")["step_memory"]["step 1 (tdmoe)"]["bytes"]
     with pytest.raises(
-        RecipeError, match=r"held whole because step 1 \(namex\) groups by every expert's flattened weights at once "
-        r"\(similarity: weight\); use similarity: output_tokens"
+        RecipeError, match=r"held whole because step 1 \(tdmoe\) method: hooi iterates over every expert of the "
+        r"layer at once; use method: hosvd"
     ):
         _plan(model, tmp_path, [step], "auto", memory_limit=whole - 1)
 

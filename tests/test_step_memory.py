@@ -183,7 +183,7 @@ print(json.dumps({"growth": min(growth), "growths": growth, "workspace": spec.wo
 @pytest.mark.parametrize(
     "name,cfg",
     [("tdmoe", {"ratio": 0.4}), ("svd_experts", {"ratio": 0.4}), ("merge_experts", {"ratio": 0.5}),
-     ("namex", {"ratio": 0.5}), ("expert_structure", {})],
+     ("namex", {"ratio": 0.5}), ("merge_experts", {"ratio": 0.5, "similarity": "weight"}), ("expert_structure", {})],
 )  # fmt: skip
 def test_declared_workspace_is_what_the_pass_allocates(name, cfg):
     """The dry run counts a step as its input, the pass's declared ``workspace`` and its output

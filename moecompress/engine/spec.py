@@ -222,7 +222,11 @@ class Chunking:
     refinement, kept only if it lowers the layer's held-back error) first takes an unwritten pass over the
     units (``unit`` returns no bank), then ``decision.choose(infos)``. It must be the first step of its
     segment that changes the layer and the last (report-only steps aside). Its ``workspace(layer, cfg, n)``
-    gets the whole layer (``meta``) and the chunk size: the gathered summaries and one unit's merge."""
+    gets the whole layer (``meta``) and the chunk size: the gathered summaries and one unit's merge.
+    ``pairs(cfg) -> bool`` and ``pair(sub_a, sub_b, cfg, (row_a, row_b), experts, acc) -> acc``: a first
+    sweep over every pair of chunks ``a ≤ b`` instead (``similarity: weight``: the experts' weight Gram),
+    two chunks held at once (``sub_b is sub_a`` on the diagonal, where ``gather`` is also called, in chunk
+    order); ``row_*`` the chunk's first expert in the layer, ``experts`` the layer's routed experts."""
 
     mode: str
     merge: Callable[[list[dict], list[tuple[int, int]], Any], dict] | None = None
@@ -235,6 +239,8 @@ class Chunking:
     fit: Callable[[Any, MoELayer, LayerStats, Any], Any] | None = None
     workspace: Callable[..., int] | None = None
     unit: Callable[[Any, int, int, Any, Any], tuple[Any, dict]] | None = None
+    pairs: Callable[[Any], bool] | None = None
+    pair: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select", "group"):
@@ -245,6 +251,8 @@ class Chunking:
             raise ValueError("Chunking('group') needs gather, fit and unit")
         if (self.gather is None) != (self.fit is None) or (self.gather is not None and self.mode == "select"):
             raise ValueError("Chunking: gather and fit come together, on an 'expert' or 'group' step")
+        if (self.pairs is None) != (self.pair is None) or (self.pair is not None and self.gather is None):
+            raise ValueError("Chunking: pairs and pair come together, on a step with gather")
         if self.gather is not None and self.prelude is not None:
             raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
 

@@ -225,43 +225,84 @@ def _check_group(steps: list, s: int, kept_of: list, idx: int) -> None:
 def gather(lp: LayerPlan, s: int, size: int) -> Any:
     """Step ``s``'s first phase (``Chunking.gather``): every chunk of ``size`` experts of the layer read, the
     earlier ``select`` steps applied, folded in chunk order; then ``Chunking.fit`` once with the layer's
-    statistics: the value every chunk's step reads as ``stats.prelude``. Every rank repeats it under
-    ``torchrun`` (the same fold in the same order: the same value)."""
+    statistics: the value every chunk's step reads as ``stats.prelude``. With ``Chunking.pairs``, every pair
+    of chunks instead (:func:`_pair_order`). Every rank repeats it under ``torchrun`` (the same fold in the
+    same order: the same value)."""
     step, mode, idx = lp.steps[s], lp.steps[s].spec.chunking, lp.idx
     where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
-    e_s = lp.shells[s].router.num_experts
-    acc = None
+    bounds = list(chunks.bounds(lp.shells[0].router.num_experts, size))
+    acc: Any = None
     try:
-        for a, b in chunks.bounds(lp.shells[0].router.num_experts, size):
-            bank: ExpertBank | None = lp.ckpt.read_experts(idx, a, b)
-            g0 = a
-            for j, earlier in enumerate(lp.steps[:s]):
-                if earlier.spec.chunking.mode != "select":
-                    if earlier.spec.report_only or not earlier.spec.alters_for(earlier.config):
-                        continue
-                    raise PassError(f"{step.label}, layer {idx}: gathers every chunk before {earlier.label} "
-                                    "has run on it; set calibration.recalibrate: auto or expert_chunk: off")  # fmt: skip
-                local, g1 = chunks.selected(lp.kept_of[j], g0, g0 + bank.num_experts)  # type: ignore[union-attr]
-                if lp.kept_of[j] is not None:
-                    bank = chunks.take(bank, local) if local else None  # type: ignore[arg-type]
-                g0 = g1
-                if bank is None:
-                    break
-            if bank is None:
-                continue
-            n = bank.num_experts
-            sub = layer_to(chunks.sub_layer(lp.shells[s], bank, g0), where)
-            st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
-                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
-            acc = mode.gather(sub, st, step.config, acc)
-            del sub, bank
-            release_freed()
+        if mode.pairs is not None and mode.pairs(step.config):
+            acc = _gather_pairs(lp, s, bounds, where)
+        else:
+            for a, b in bounds:
+                got = _gathered_chunk(lp, s, a, b, where)
+                if got is not None:
+                    acc = mode.gather(got[0], got[1], step.config, acc)
+                del got
+                release_freed()
         st = step_stats(step, idx, lp.stats[where], plan=lp.plans[s])
         return mode.fit(acc, lp.shells[s], st, step.config)
     except PassError:
         raise
     except MoecompressError as e:
         raise PassError(f"{step.label}, layer {idx}: {e}") from None
+
+
+def _pair_order(n: int) -> list[tuple[int, int]]:
+    """Every pair ``i ≤ j`` of ``n`` chunks, the diagonal in chunk order: each row ``i`` runs ``(i, i)``, then
+    ``j`` from the last chunk down to ``i + 1``, so the next row's chunk is the one just read. Holding two
+    chunks, the sweep reads ``1 + n(n − 1)/2`` chunks (``n`` at most 2: each once)."""
+    return [p for i in range(n) for p in [(i, i), *((i, j) for j in range(n - 1, i, -1))]]
+
+
+def _gather_pairs(lp: LayerPlan, s: int, bounds: list[tuple[int, int]], where: torch.device) -> Any:
+    """The first sweep over pairs of chunks (``Chunking.pair``), two chunks held at once: the anchor ``i`` and
+    the one read last; ``Chunking.gather`` on each chunk as it is the anchor (chunk order)."""
+    step, mode = lp.steps[s], lp.steps[s].spec.chunking
+    e_s, acc, held = lp.shells[s].router.num_experts, None, {}
+    for i, j in _pair_order(len(bounds)):
+        for k in (i, j):
+            if k not in held:
+                for old in [o for o in held if o != i]:
+                    del held[old]
+                release_freed()
+                held[k] = _gathered_chunk(lp, s, *bounds[k], where)
+        a, b = held[i], held[j]
+        if a is None or b is None:
+            continue
+        if i == j:
+            acc = mode.gather(a[0], a[1], step.config, acc)
+        acc = mode.pair(a[0], b[0], step.config, (a[2], b[2]), e_s, acc)
+    del held
+    release_freed()
+    return acc
+
+
+def _gathered_chunk(lp: LayerPlan, s: int, a: int, b: int, where: torch.device):
+    """Experts ``[a, b)`` of the input read, the steps before ``s`` (``select``) applied: ``(sub-layer, its
+    statistics, its first expert in step ``s``'s numbering)``, or ``None`` when no expert is left."""
+    step, idx, e_s = lp.steps[s], lp.idx, lp.shells[s].router.num_experts
+    bank: ExpertBank | None = lp.ckpt.read_experts(idx, a, b)
+    g0 = a
+    for j, earlier in enumerate(lp.steps[:s]):
+        if earlier.spec.chunking.mode != "select":
+            if earlier.spec.report_only or not earlier.spec.alters_for(earlier.config):
+                continue
+            raise PassError(f"{step.label}, layer {idx}: gathers every chunk before {earlier.label} "
+                            "has run on it; set calibration.recalibrate: auto or expert_chunk: off")  # fmt: skip
+        local, g1 = chunks.selected(lp.kept_of[j], g0, g0 + bank.num_experts)  # type: ignore[union-attr]
+        if lp.kept_of[j] is not None:
+            bank = chunks.take(bank, local) if local else None  # type: ignore[arg-type]
+        g0 = g1
+        if bank is None:
+            return None
+    n = bank.num_experts
+    sub = layer_to(chunks.sub_layer(lp.shells[s], bank, g0), where)
+    st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
+                    plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
+    return sub, st, g0
 
 
 def _chunk_stats(lp: LayerPlan, step, where, e_s: int, a: int, b: int) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ give the step report's ``rel_error`` row.
 **Grouping** (HC-SMoE): features per expert — ``output``: the mean output of each expert over *all* fit
 tokens (shared inputs, not only the tokens routed to it); ``router``: the expert's router-logit column
 over the fit tokens, centred per token (softmax ignores a shared offset; MC-SMoE's similarity);
-``weight``: the flattened gate/up/down weights; ``output_tokens``: each expert's outputs on the first 64
+``weight``: the flattened gate/up/down weights (through their Gram matrix,
+:mod:`~moecompress.methods.weight_gram`; by chunks from every pair of chunks); ``output_tokens``: each expert's outputs on the first 64
 fit tokens, flattened (the functional distance ``E_t ‖E_i(x_t) − E_j(x_t)‖²``). ``linkage: average``:
 average-linkage clustering with ``metric`` distance (:func:`~moecompress.methods.merging.average_linkage`,
 HC-SMoE); ``linkage: ward``: usage-weighted Ward (:func:`~moecompress.methods.merging.ward_linkage`), the
@@ -68,6 +69,7 @@ from moecompress.methods.merging import (
     ward_linkage,
 )
 from moecompress.methods.mixture import AUTO_TOKENS, choose_count
+from moecompress.methods.weight_gram import GRAM_COLS, gram_block, gram_bytes, gram_points
 from moecompress.passes.merge_budget import MergeBudget, budget_needs
 from moecompress.passes.merge_plan import PROJ, MergePlan
 from moecompress.reference import (
@@ -260,7 +262,8 @@ def merge_workspace(
       from the base taken in place (``c`` for the mean group size ``c = (E − t + m) / m``) and one member's
       alignment (:data:`ALIGN`);
     - after the merges: ``sets`` copies of every merged group and ``in_flight`` more (a refinement).
-    The grouping features come first and are freed before (``similarity: weight``: every expert once). A
+    The grouping features come first and are freed before (``similarity: weight``: the experts' Gram, its
+    points and one float32 block of columns, :mod:`~moecompress.methods.weight_gram`). A
     grouping with one large group holds up to ``E − t + 1`` members at once instead of ``c``.
 
     ``streamed`` (``merge_experts``: the members folded in one at a time, ``merge_experts.fold``): the base
@@ -275,7 +278,8 @@ def merge_workspace(
         return 0
     expert = 4 * (sum(math.prod(getattr(bank, p).shape[1:]) for p in PROJ)
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
-    feats = e * expert if cfg.similarity == "weight" else 4 * e * AUTO_TOKENS * bank.hidden_size
+    feats = (gram_bytes(e) + 4 * e * GRAM_COLS if cfg.similarity == "weight"
+             else 4 * e * AUTO_TOKENS * bank.hidden_size)  # fmt: skip
     if streamed:
         out = t * -(-bank.nbytes() // max(bank.num_experts, 1))  # the output's experts, made after the merges
         return max(feats, expert * (m + 2 + ALIGN) - out, expert * (sets * m + in_flight))
@@ -290,7 +294,8 @@ def expert_summaries(layer: MoELayer, x_fit: torch.Tensor, cfg: MergeOptions) ->
     rows in expert order, so chunks concatenate): ``output`` ``[n, H]`` the mean output over the fit
     tokens (``similarity: output``); ``tokens`` ``[n, T, H]`` the outputs on the first ``AUTO_TOKENS`` fit
     tokens (``similarity: output_tokens``, and ``target_experts: auto``). ``router`` needs the router only,
-    ``weight`` the weights themselves (nothing here)."""
+    ``weight`` the weights' Gram (nothing here: on chunks, from every pair of them,
+    :func:`~moecompress.passes.merge_units.gather_pair`)."""
     bank, n, out = layer.experts, layer.experts.num_experts, {}
     if cfg.similarity == "output":
         out["output"] = torch.stack([expert_forward(bank, e, x_fit).float().mean(0) for e in range(n)])
@@ -308,7 +313,8 @@ def _features(layer: MoELayer, x: torch.Tensor, kind: str, sums: dict[str, torch
     if kind == "router":
         logits = router_logits(layer, x)
         return (logits - logits.mean(1, keepdim=True)).T.contiguous()
-    return torch.cat([getattr(layer.experts, p).dense().float().flatten(1) for p in PROJ], dim=1)
+    gram = sums["gram"] if "gram" in sums else gram_block([getattr(layer.experts, p).dense() for p in PROJ])
+    return gram_points(gram)  # the flattened weights' distances, from their Gram (methods/weight_gram.py)
 
 
 def fit_held(stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,11 +48,12 @@ from moecompress.passes.expert_merging import (
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
 from moecompress.passes.merge_units import (
     fit_groups,
+    gather_pair,
     gather_summaries,
     group_workspace,
     merge_units,
-    refuse_chunks,
     run_unit,
+    weight_pairs,
 )
 
 
@@ -106,7 +107,7 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 
 
 CHUNKING = Chunking(
-    "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=fit_groups,
+    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair, fit=fit_groups,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
     workspace=lambda layer, cfg, n, groups=None: group_workspace(layer, cfg, n, groups=groups, cap=2),  # fold
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks

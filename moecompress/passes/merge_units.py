@@ -17,6 +17,7 @@ from moecompress.engine.spec import LayerStats
 from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.metrics import relative_error
 from moecompress.methods.mixture import AUTO_TOKENS
+from moecompress.methods.weight_gram import GRAM_COLS, gram_block, gram_bytes
 from moecompress.passes.expert_merging import (
     ALIGN,
     PROJ,
@@ -31,20 +32,36 @@ from moecompress.passes.expert_merging import (
 from moecompress.reference import experts_forward, route, shared_forward
 
 
-def refuse_chunks(cfg: MergeOptions) -> str | None:
-    """A merging configuration that cannot run on a layer held by chunks of experts, with the fix."""
-    if cfg.similarity == "weight":
-        return ("groups by every expert's flattened weights at once (similarity: weight); use similarity: "
-                "output_tokens, output or router")  # fmt: skip
-    return None
+def weight_pairs(cfg: MergeOptions) -> bool:
+    """Whether the first sweep reads every pair of chunks (``Chunking.pairs``): ``similarity: weight`` groups
+    by the experts' weight Gram, whose blocks pair experts of different chunks."""
+    return cfg.similarity == "weight"
+
+
+def gather_pair(a: MoELayer, b: MoELayer, cfg: MergeOptions, rows: tuple[int, int], experts: int,
+                acc: dict | None) -> dict:  # fmt: skip
+    """``Chunking.pair``: the block of the ``[experts, experts]`` weight Gram
+    (:func:`~moecompress.methods.weight_gram.gram_block`) between chunk ``a`` and chunk ``b`` (``b is a`` on
+    the diagonal), whose first experts are the layer's ``rows``, written into ``acc["gram"]`` and its mirror."""
+    acc = acc if acc is not None else {}
+    g = acc.setdefault("gram", [torch.zeros(experts, experts, dtype=torch.float64)])[0]
+    (ra, rb), na, nb = rows, a.experts.num_experts, b.experts.num_experts
+    block = gram_block(*((_flat(a),) if b is a else (_flat(a), _flat(b))))
+    g[ra : ra + na, rb : rb + nb] = block
+    g[rb : rb + nb, ra : ra + na] = block.T
+    return acc
+
+
+def _flat(layer: MoELayer) -> list[torch.Tensor]:
+    return [getattr(layer.experts, p).dense() for p in PROJ]
 
 
 def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: dict | None) -> dict:
     """The first sweep's fold: a chunk's :func:`expert_summaries`, in chunk order."""
     part = expert_summaries(sub, fit_held(stats)[0], cfg)
-    acc = acc if acc is not None else {k: [] for k in part}
+    acc = acc if acc is not None else {}
     for k, v in part.items():
-        acc[k].append(v)
+        acc.setdefault(k, []).append(v)
     return acc
 
 
@@ -54,8 +71,9 @@ def group_workspace(
 ) -> int:
     """The workspace of a merging step by units of ``n`` members (``Chunking.workspace``): the summaries
     gathered for every expert of ``layer`` (float32: ``output`` ``[E, H]``, the first 64 fit tokens' outputs
-    ``[E, 64, H]``), held to the end, and one unit in the two phases of :func:`merge_workspace`, in float32
-    experts:
+    ``[E, 64, H]``; ``similarity: weight``: the float64 Gram and its points, :func:`gram_bytes`), held to the
+    end, and the larger of the pairs' sweep (``weight``: a second chunk of ``n`` experts as read, and two
+    float32 blocks of columns) and one unit in the two phases of :func:`merge_workspace`, in float32 experts:
 
     - while the unit's group of ``c`` members is merged: its members, one alignment (``ALIGN``) and the
       unit's groups merged before it (one copy each). Each of those had two or more members, so they are at
@@ -75,19 +93,23 @@ def group_workspace(
                   + sum(math.prod(b.shape[1:]) for b in bank.biases.values()))  # fmt: skip
     sums = 4 * e * h * ((AUTO_TOKENS if cfg.similarity == "output_tokens" or cfg.target_experts == "auto" else 0)
                         + (1 if cfg.similarity == "output" else 0))  # fmt: skip
+    pair = 0
+    if weight_pairs(cfg):  # the Gram, and while it is made a second chunk as read and two float32 blocks
+        sums += gram_bytes(e)
+        pair = n * -(-bank.nbytes() // max(e, 1)) + 2 * 4 * n * GRAM_COLS
     if groups is not None:
         merging, done = 0, 0
         for c in groups:
             if c > 1:
                 merging = max(merging, done + (c if cap is None else min(c, cap)) + ALIGN)
                 done += 1
-        return sums + expert * max(merging, sets * done + in_flight)
+        return sums + max(pair, expert * max(merging, sets * done + in_flight))
     t = e // 2 if chosen_later(cfg) else target_groups(e, cfg, layer.index)  # a plan: the largest m
     m = min(t, e - t)
     c = min(n, -(-(e - t + m) // max(m, 1)))
     share = -(-m * n // max(e, 1))  # the unit's share of the layer's merged groups
     held = min(-(-(n - c) // 2), share) + (c if cap is None else min(c, cap))  # merged before it, its members
-    return sums + expert * max(held + ALIGN, sets * min(-(-n // 2), share) + in_flight)
+    return sums + max(pair, expert * max(held + ALIGN, sets * min(-(-n // 2), share) + in_flight))
 
 
 @dataclass

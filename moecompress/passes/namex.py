@@ -75,11 +75,12 @@ from moecompress.passes.expert_merging import (
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
 from moecompress.passes.merge_units import (
     fit_groups,
+    gather_pair,
     gather_summaries,
     group_workspace,
     merge_units,
-    refuse_chunks,
     run_unit,
+    weight_pairs,
 )
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
@@ -307,7 +308,7 @@ def _fit(acc, shell: MoELayer, stats: LayerStats, cfg: NamexConfig):
 
 
 CHUNKING = Chunking(
-    "group", merge=merge_units, refuse=refuse_chunks, gather=gather_summaries, fit=_fit,
+    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair, fit=_fit,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
     workspace=lambda layer, cfg, n, groups=None: group_workspace(
         layer, cfg, n, *((3 if cfg.phase else 2, 5) if cfg.refine_steps else (1, 3)), groups=groups,
