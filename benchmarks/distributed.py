@@ -79,8 +79,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(recipe: Path, world: int) -> dict:
-    """``world`` ranks of ``moecompress apply recipe``; wall seconds and each rank's peak and CPU."""
+def launch(recipe: Path, world: int, spy: Path | None = None) -> dict:
+    """``world`` ranks of ``moecompress apply recipe``; wall seconds and each rank's peak and CPU. ``spy``: each
+    rank run under ``py-spy record`` (its collapsed stacks in ``spy/<recipe>-r<rank>.txt``, idle frames too)."""
     port, procs = _port(), []
     t0 = time.perf_counter()
     for rank in range(world):
@@ -89,6 +90,9 @@ def launch(recipe: Path, world: int) -> dict:
             env |= {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
         cmd = [sys.executable, "-c", WORKER, str(recipe)]
+        if spy is not None:
+            out = spy / f"{recipe.stem}-r{rank}.txt"
+            cmd = ["py-spy", "record", "--format", "raw", "--idle", "-r", "50", "-o", str(out), "--", *cmd]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -112,7 +116,9 @@ def _digest(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto") -> dict:
+def measure(
+    name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto", spy: Path | None = None
+) -> dict:
     """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
     data-parallel whole layers)."""
     row: dict = {"pass": name, "config": cfg, "parallel": mode}
@@ -127,7 +133,7 @@ def measure(name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str 
         path = root / f"{name}-{world}.yaml"
         path.write_text(yaml.safe_dump(rec))
         load0 = os.getloadavg()[0]
-        res = launch(path, world)
+        res = launch(path, world, spy)
         res["load_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         report = json.loads((root / f"out-{name}-{world}" / "report.json").read_text())
         res["calibration_s"] = report.get("calibration", {}).get("seconds")
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--parallel", nargs="*", default=["auto"], choices=["auto", "batches"],
                     help="calibration.parallel of the 2-rank runs (each mode runs one process again beside it)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--py-spy", default=None, metavar="DIR",
+                    help="profile every rank with py-spy (collapsed stacks in DIR; slows the runs a little)")
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="distributed-"))
     model = root / "model"
@@ -178,7 +186,10 @@ def main() -> None:
     for name in args.passes:
         for mode in args.parallel if name not in DATA_FREE else ["auto"]:
             try:
-                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode))
+                spy = Path(args.py_spy) if args.py_spy else None
+                if spy is not None:
+                    spy.mkdir(parents=True, exist_ok=True)
+                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy))
             except RuntimeError as err:
                 rows.append({"pass": name, "parallel": mode, "error": str(err)})
             print(json.dumps(rows[-1]), flush=True)

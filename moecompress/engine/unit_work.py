@@ -270,11 +270,11 @@ def _gather_pairs(lp: LayerPlan, s: int, bounds: list[tuple[int, int]], where: t
                 release_freed()
                 held[k] = _gathered_chunk(lp, s, *bounds[k], where)
         a, b = held[i], held[j]
-        if a is None or b is None:
-            continue
-        if i == j:
-            acc = mode.gather(a[0], a[1], step.config, acc)
-        acc = mode.pair(a[0], b[0], step.config, (a[2], b[2]), e_s, acc)
+        if a is not None and b is not None:
+            if i == j:
+                acc = mode.gather(a[0], a[1], step.config, acc)
+            acc = mode.pair(a[0], b[0], step.config, (a[2], b[2]), e_s, acc)
+        a = b = None  # the held chunks only: an evicted one is freed before the next is read
     del held
     release_freed()
     return acc
