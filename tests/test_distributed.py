@@ -369,6 +369,12 @@ def counted(*a, **k):
         os._exit(9)
     return serve(*a, **k)
 shard.serve = counted
+grouped = shard._follow_grouped
+def units(*a, **k):  # a merge's units of groups (engine/group_work.py)
+    n = grouped(*a, **k)
+    calls.extend([1] * n)
+    return n
+shard._follow_grouped = units
 code = main(sys.argv[1:])
 print(f"SERVED {len(calls)}", flush=True)
 sys.exit(code)
@@ -391,8 +397,8 @@ def _sharded(recipe, *extra, die_at: int = 0, timeout: int = 240) -> list[subpro
     return outs
 
 
-def _compare_sharded(tmp_path, name: str, steps: list, served: int, **over) -> None:
-    """One process against two ranks whose rank 1 works ``served`` chunks of experts."""
+def _compare_sharded(tmp_path, name: str, steps: list, served: int | None, **over) -> None:
+    """One process against two ranks whose rank 1 works ``served`` chunks of experts (``None``: some)."""
     one, two = _recipe(tmp_path, name, steps, **over)
     if over.get("calibration"):
         for path in (one, two):  # the per-recipe cache_dir stays
@@ -403,7 +409,10 @@ def _compare_sharded(tmp_path, name: str, steps: list, served: int, **over) -> N
         mc.apply(str(one), progress=False)
     runs = _sharded(two)
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
-    assert f"SERVED {served}" in runs[1].stdout
+    if served is None:
+        assert "SERVED 0" not in runs[1].stdout and "SERVED " in runs[1].stdout, runs[1].stdout[-500:]
+    else:
+        assert f"SERVED {served}" in runs[1].stdout
     ref = _hashes(tmp_path / f"{name}-one")
     assert ref and any(k.endswith(".safetensors") for k in ref)
     assert _hashes(tmp_path / f"{name}-two") == ref
@@ -540,10 +549,56 @@ def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
 
 
 @pytest.mark.slow
-def test_merging_by_chunks_runs_on_rank_0_while_the_others_wait(model):
+def test_merging_by_chunks_shares_its_units_over_the_ranks(model):
     """namex by units of groups (expert_chunk: 3) under 2 ranks: the calibration by chunks is shared out,
-    the merge's units are worked by rank 0 alone (rank 1 serves no chunk), one process's bytes."""
-    _compare_sharded(model, "mg", [{"namex": {"ratio": 0.25, "refine_steps": 0}}], served=0, expert_chunk=3)
+    every rank decides the groups, rank 1 works units 1, 3, ... and sends them: one process's bytes."""
+    _compare_sharded(model, "mg", [{"namex": {"ratio": 0.25, "refine_steps": 0}}], served=None, expert_chunk=3)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [{"namex": {"ratio": 0.25}},  # refined: the unwritten pass's infos travel, rank 0 chooses and broadcasts
+     {"merge_experts": {"ratio": 0.5, "similarity": "weight"}}],  # the weight Gram from pairs, on every rank
+)  # fmt: skip
+def test_merge_units_in_two_threads_are_one_process_bytes(model, step):
+    """A merge by units of groups (expert_chunk: 3), fast: rank 1 (a thread) decides the same groups, works
+    units k mod 2 of both passes and sends them; rank 0 folds, chooses, writes. The statistics are the
+    one-process run's cache entry."""
+    from moecompress.engine import executor, shard
+    from moecompress.engine.dry_run import dry_run
+
+    name = "u" + next(iter(step))[:2]
+    one, two = _recipe(model, name, [step], expert_chunk=3)
+    shared = yaml.safe_load(one.read_text())["calibration"]
+    rec2 = yaml.safe_load(two.read_text())
+    two.write_text(yaml.safe_dump({**rec2, "calibration": shared}))  # the same cache entry
+    with _one_thread():
+        mc.apply(str(one), progress=False)
+    rec = mc.load_recipe(str(two))
+    ckpt = open_checkpoint(rec.model)
+    plan, wire, out, worked = dry_run(rec, ckpt), {}, {}, []
+    fp = executor._check_calibration_source(rec, ckpt)
+    grouped = shard._follow_grouped
+
+    def rank(r: int) -> dict:
+        return executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(r, 2, wire=wire)).report
+
+    def units(*a, **k):
+        worked.append(grouped(*a, **k))
+        return worked[-1]
+
+    shard._follow_grouped = units
+    try:
+        with _one_thread():
+            t = threading.Thread(target=lambda: out.update(rank(1)))
+            t.start()
+            got = rank(0)
+            t.join(120)
+    finally:
+        shard._follow_grouped = grouped
+    assert not t.is_alive() and out["layer_loop"]["layers"] == 2 and len(worked) == 2 and min(worked) >= 1
+    assert got["calibration"]["cached"]
+    assert _hashes(model / f"{name}-two") == _hashes(model / f"{name}-one")
 
 
 @pytest.mark.slow

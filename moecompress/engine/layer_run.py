@@ -32,12 +32,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from moecompress.engine import chunks
+from moecompress.engine.group_work import trial as trial_info
+from moecompress.engine.group_work import unit_parts
 from moecompress.engine.resources import release_freed, rss_mb
-from moecompress.engine.shard import layer_chunks
-from moecompress.engine.unit_work import ErrPart, StepPart, encode_chunk, prepare, skeleton, whole_parts
+from moecompress.engine.shard import grouped_units, layer_chunks, send_command, share_choice
+from moecompress.engine.unit_work import ErrPart, StepPart, prepare, whole_parts
 from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
 from moecompress.errors import PassError
@@ -45,7 +45,7 @@ from moecompress.io.format import encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output
 from moecompress.io.raw import raw_selection, write_raw
 from moecompress.io.routing import stored_policy
-from moecompress.ir import ExpertBank, MoELayer, layer_to
+from moecompress.ir import ExpertBank, MoELayer
 from moecompress.methods.metrics import relative_error, sqnr_db
 from moecompress.report.write import json_safe
 
@@ -86,8 +86,15 @@ def run_layer(run: RecipeRun, idx: int) -> None:
             whole_parts(run.ckpt, run.rec, run.entry, plans, run.ctx, idx, set(written), run.dequantize)
         ]
     else:
-        lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
         grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
+        if grouped:  # the other ranks decide the groups as rank 0 does, at the same time
+            written = [s for s, step in enumerate(steps) if step.number in run.writers]
+            early = [s for s in written if s < grouped[0]]
+            if early:
+                raise PassError(f"{steps[early[0]].label}, layer {idx}: a step written before a merge by chunks of "
+                                "experts; write the merge's output only, or expert_chunk: off")  # fmt: skip
+            send_command(run.ctx.ranks, list(steps), idx, size, written)
+        lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
         if grouped:
             return _grouped_layer(run, lp, size, grouped[0])
         books, read = _chunk_books(run, idx, lp)
@@ -203,72 +210,42 @@ def _unit_overrun(run: RecipeRun, lp, size: int, g: int) -> dict | None:
 
 def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     """A layer whose merging step (``Chunking('group')``, step ``g``) runs by units of groups: the earlier
-    steps only protect, the later ones only report (:func:`unit_work.prepare` checks). Per unit, its
-    members are read (runs of consecutive ids), their share of the original error sum added, the unit's
-    output experts made, written and added to the merged layer's error sum."""
-    steps, idx = run.rec.steps, lp.idx
-    # under torchrun rank 0 works every unit while the other ranks wait for its next command (shard.follow)
+    steps only protect, the later ones only report (:func:`unit_work.prepare` checks). Each unit
+    (:mod:`moecompress.engine.group_work`, worked here or on rank ``k mod N``) gives its members' and its
+    output experts' error contributions, added in unit order, and its output experts, written."""
+    steps, idx, ranks = run.rec.steps, lp.idx, run.ctx.ranks
     written = [s for s, step in enumerate(steps) if step.number in run.writers]
-    early = [s for s in written if s < g]
-    if early:
-        raise PassError(f"{steps[early[0]].label}, layer {idx}: a step written before a merge by chunks of experts; "
-                        "write the merge's output only, or expert_chunk: off")  # fmt: skip
     step, mode, dec, shells, err = steps[g], steps[g].spec.chunking, lp.preludes[g], lp.shells, lp.err
-    dev, host = torch.device(run.ctx.device), torch.device("cpu")
-    where = dev if step.spec.on_device else host
-    e_in, n_out = shells[g].router.num_experts, dec.shell.experts.num_experts
-    emap = dec.shell.expert_map if dec.shell.expert_map is not None else torch.arange(n_out)
     secs, stock = lp.secs, {}
     parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
     parts[g], infos, bnds = [], [], []
-
+    units = dec.units(size)
     big = _unit_overrun(run, lp, size, g)
-
-    def members(lo: int, hi: int) -> tuple[list[int], ExpertBank]:
-        mem = dec.members(lo, hi)
-        bank = chunks.cat_banks([lp.ckpt.read_experts(idx, a, b) for a, b in chunks.runs(mem)])
-        return mem, layer_to(bank, where) if where != host else bank
-
     if dec.sweeps == 2:  # a choice on the whole layer's held-back error first (namex's refinement): unwritten
         t0 = time.perf_counter()
         trial = []
-        for lo, hi in dec.units(size):
-            _, info = mode.unit(dec, lo, hi, members(lo, hi)[1], step.config)
-            dec.fold(info)
-            trial.append(info)
+        for info in grouped_units(ranks, lp, units, lambda lo, hi: [StepPart(g, lo, None, 0.0, trial_info(lp, g, lo, hi))]):
+            dec.fold(info[0].info)
+            trial.append(info[0].info)
             release_freed()
         dec.choose(trial)
+        share_choice(ranks, dec)
         secs[g] += time.perf_counter() - t0
-    for lo, hi in dec.units(size):
-        t0 = time.perf_counter()
-        mem, bank = members(lo, hi)
-        n = bank.num_experts
-        if err is not None:
-            rows = torch.full((e_in,), n, dtype=torch.long)
-            rows[torch.tensor(mem)] = torch.arange(n)
-            for state in range(g + 1):  # the input and the selections of no expert before the merge
-                err.add(err.part_rows(state, bank, rows))
-        new, info = mode.unit(dec, lo, hi, bank, step.config)
-        dec.fold(info)
-        new = layer_to(chunks.sub_layer(shells[0], new, 0), host).experts
-        if err is not None:
-            rows = torch.where((emap >= lo) & (emap < hi), emap - lo, torch.full_like(emap, hi - lo))
-            for state in range(g + 1, len(steps) + 1):  # the merge and the reports after it
-                err.add(err.part_rows(state, new, rows))
-        parts[g].append(skeleton(new))
-        if big is not None and not infos:
-            info = {**info, "largest_unit": big}
-        infos.append(info)
-        bnds.append((lo, hi))
-        out = writes = None  # the unit's output and its encoded tensors: gone before the next unit is read
-        if g in written:
-            out = chunks.sub_layer(shells[0], new, 0)
-            is_stock, writes = encode_chunk(lp.ckpt, idx, out, lo, stock=False if dec.shell.expert_map is not None else None)
-            _write_chunk(run, idx, step.number, StepPart(g, lo, None, 0.0, stock=is_stock, writes=writes), stock)
-        secs[g] += time.perf_counter() - t0
+    for unit in grouped_units(ranks, lp, units, lambda lo, hi: unit_parts(lp, g, lo, hi, g in written)):
+        for part in unit:
+            if isinstance(part, ErrPart):
+                err.add(part)
+                continue
+            dec.fold(part.info)
+            parts[g].append(part.skeleton)
+            infos.append({**part.info, "largest_unit": big} if big is not None and not infos else part.info)
+            bnds.append(units[len(bnds)])
+            if g in written:
+                _write_chunk(run, idx, step.number, part, stock)
+            secs[g] += part.secs
         run.peak[step.number] = max(run.peak[step.number], rss_mb())
-        del bank, new, out, writes
-        release_freed()
+        del unit
+        release_freed()  # the unit's output and its encoded tensors: gone before the next unit is read
     for s in range(g + 1, len(steps)):
         parts[s] = parts[g]
     lp.infos[g] = mode.merge(infos, bnds, dec)

@@ -13,8 +13,10 @@ byte for byte. When rank 0 is done it broadcasts a stop; the other ranks then re
 Which layers (:func:`~moecompress.engine.units.unit_size`): those the run holds by chunks anyway
 (``expert_chunk``), and, under ``N > 1`` ranks, every other MoE layer whose steps can all run by chunks
 with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``N``
-units of ``ceil(E / N)`` experts; any other layer is one unit, run whole by rank 0 while the others wait
-for the next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
+units of ``ceil(E / N)`` experts; a merge by units of groups (``Chunking('group')``) sends its command
+before rank 0 prepares it, every rank decides the groups, and unit ``k`` is worked by rank ``k mod N``
+(:mod:`moecompress.engine.group_work`); any other layer is one unit, run whole by rank 0 while the others
+wait for the next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
 complete before the first command) and compute the cross-layer plans themselves from it, as rank 0 does.
 A rank that dies makes the others' next send, receive or broadcast fail: :class:`~moecompress.errors.Interrupted`;
 an error a pass raises on another rank is sent to rank 0 and raised there with the same line.
@@ -45,6 +47,7 @@ from moecompress import errors
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.distributed import Ranks
+from moecompress.engine.group_work import CHOICES, owned, trial, unit_parts
 from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.unit_work import ErrPart, LayerPlan, StepPart, chunk_parts, prepare
 from moecompress.errors import MoecompressError, PassError, RecipeError
@@ -75,6 +78,54 @@ def layer_chunks(
         yield chunk_parts(lp, a, b, written) if k % n == 0 else decode(ranks.recv_bytes(k % n))
 
 
+def send_command(ranks: Ranks, steps: list, idx: int, size: int, written: list[int]) -> None:
+    """Rank 0, before a merge's layer by units of groups: the other ranks prepare it and work their units."""
+    if ranks.world_size > 1:
+        _command(ranks, steps, [idx, size, len(written), *sorted(written)])
+
+
+def grouped_units(
+    ranks: Ranks, lp: LayerPlan, units: list[tuple[int, int]], work: Callable[[int, int], list]
+) -> Iterator[list]:
+    """Rank 0's view of a merge's units (:mod:`moecompress.engine.group_work`): per unit, in order, its parts
+    (``work(lo, hi)`` here for unit ``k`` with ``k mod N == 0``, else received from rank ``k mod N``)."""
+    n = ranks.world_size
+    for k, (lo, hi) in enumerate(units):
+        yield work(lo, hi) if k % n == 0 else decode(ranks.recv_bytes(k % n))
+
+
+def share_choice(ranks: Ranks, dec) -> None:
+    """A merge's whole-layer choice (``GroupDecision.choice``) from rank 0 to the others."""
+    if ranks.world_size > 1:
+        got = ranks.broadcast_ints([CHOICES.index(dec.choice)] if ranks.is_writer else [0], 1)
+        dec.choice = CHOICES[got[0]]
+
+
+def _follow_grouped(ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set[int]) -> int:
+    """Ranks ``1..N-1`` on a merge's layer by units of groups: their units' results to rank 0 (both passes);
+    returns the units worked."""
+    dec, steps, worked = lp.preludes[g], lp.steps, 0
+    units = list(owned(dec.units(size), ranks.rank, ranks.world_size))
+    if dec.sweeps == 2:
+        for lo, hi in units:
+            _send(ranks, lambda: encode([StepPart(g, lo, None, 0.0, trial(lp, g, lo, hi))], steps))  # noqa: B023
+        share_choice(ranks, dec)
+    for lo, hi in units:
+        _send(ranks, lambda: encode(unit_parts(lp, g, lo, hi, g in written), steps))  # noqa: B023
+        worked += 1
+        release_freed()
+    return worked
+
+
+def _send(ranks: Ranks, make: Callable[[], bytes]) -> None:
+    try:
+        msg = make()
+    except MoecompressError as err:
+        ranks.send_bytes(encode_error(err), 0)
+        raise
+    ranks.send_bytes(msg, 0)
+
+
 def release(ranks: Ranks, steps: list) -> None:
     """Rank 0, once the run is finished: the other ranks' loop ends (nothing at world size 1)."""
     if ranks.world_size > 1 and ranks.is_writer:
@@ -102,6 +153,13 @@ def follow(
             plans = plans_of()
         lp = prepare(ckpt, steps, entry, [plans.get(s.number, {}).get(idx) for s in steps], ctx, idx, size)
         written = set(cmd[3 : 3 + count])
+        grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
+        if grouped:  # a merge by units of groups (group_work)
+            worked += _follow_grouped(ranks, lp, size, grouped[0], written)
+            peak = max(peak, rss_mb())
+            layers += 1
+            del lp
+            continue
         for k, (a, b) in enumerate(chunks.bounds(lp.shells[0].router.num_experts, size)):
             if k % ranks.world_size == ranks.rank:
                 serve(ranks, lp, a, b, written)
@@ -123,12 +181,7 @@ def _check_entry(ranks: Ranks, entry: Path | None, needs_stats: bool) -> None:
 def serve(ranks: Ranks, lp: LayerPlan, a: int, b: int, written: set[int]) -> None:
     """Experts ``[a, b)`` of ``lp``'s layer worked here and sent to rank 0 (an error a pass raises is sent
     too, then raised here)."""
-    try:
-        msg = encode(chunk_parts(lp, a, b, written), lp.steps)
-    except MoecompressError as err:
-        ranks.send_bytes(encode_error(err), 0)
-        raise
-    ranks.send_bytes(msg, 0)
+    _send(ranks, lambda: encode(chunk_parts(lp, a, b, written), lp.steps))
 
 
 # -- the wire ------------------------------------------------------------------------------------------
