@@ -37,7 +37,8 @@ import yaml
 
 GiB = 1024**3
 PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio": 0.25}, "identity": {},
-          "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}}  # fmt: skip
+          "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}, "namex": {"ratio": 0.25},
+          "merge_experts": {"ratio": 0.25}}  # fmt: skip
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
 STAGES = {"distill": {"steps": 4, "batch": 4, "seq_len": 64, "samples": 24, "holdout": 4, "lr": 1e-4,
@@ -63,14 +64,29 @@ layer loop's peak is the largest resident memory sampled in it (rank 0: the run 
 the other ranks: their ``layer_loop`` summary)."""
 
 
-def build(path: Path, experts: int, layers: int) -> None:
+def build(path: Path, experts: int, layers: int, clusters: int = 0) -> None:
+    """The checkpoint; ``clusters``: experts ``e`` of a layer are ``base[e mod clusters] + 0.3 · noise`` (an
+    upcycled model's structure), so Ward groups them into many small groups instead of random weights' one
+    large group and singletons (a merge's units then carry comparable work)."""
+    import re
+
     import torch
+    from safetensors.torch import load_file, save_file
 
     from moecompress.testing import save_tiny
 
     save_tiny("qwen3_moe", path, dtype=torch.bfloat16, hidden_size=2048, moe_intermediate_size=768,
               num_experts=experts, num_experts_per_tok=8, num_hidden_layers=layers, vocab_size=512,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)  # fmt: skip
+    if clusters:
+        file = path / "model.safetensors"
+        t = load_file(file)
+        for k in sorted(t):
+            m = re.search(r"\.experts\.(\d+)\.", k)
+            if m and int(m.group(1)) >= clusters:
+                base = t[k.replace(f".experts.{m.group(1)}.", f".experts.{int(m.group(1)) % clusters}.")]
+                t[k] = (base.float() + 0.3 * base.float().std() * torch.randn(base.shape)).to(base.dtype)
+        save_file(t, str(file), metadata={"format": "pt"})
 
 
 def _port() -> int:
@@ -117,11 +133,12 @@ def _digest(out: Path) -> str:
 
 
 def measure(
-    name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto", spy: Path | None = None
+    name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto", spy: Path | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
     data-parallel whole layers)."""
-    row: dict = {"pass": name, "config": cfg, "parallel": mode}
+    row: dict = {"pass": name, "config": cfg, "parallel": mode, "expert_chunk": chunk}
     digests, curves = {}, {}
     cal = {"source": "none"} if name in DATA_FREE else {**cal, "parallel": mode}
     steps = [{"expert_prune": {"ratio": 0.25}}, {name: cfg}] if name in STAGES else [{DATA_FREE.get(name, name): cfg}]
@@ -130,6 +147,8 @@ def measure(
                "calibration": {**cal, "cache_dir": str(root / f"cache-{name}-{world}")}}  # fmt: skip
         if name in STAGES:
             rec["emit"] = "every_step"
+        if chunk:
+            rec["expert_chunk"] = chunk
         path = root / f"{name}-{world}.yaml"
         path.write_text(yaml.safe_dump(rec))
         load0 = os.getloadavg()[0]
@@ -171,13 +190,17 @@ def main() -> None:
     ap.add_argument("--parallel", nargs="*", default=["auto"], choices=["auto", "batches"],
                     help="calibration.parallel of the 2-rank runs (each mode runs one process again beside it)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--clusters", type=int, default=0,
+                    help="experts as noisy copies of this many bases per layer (many small merge groups)")
+    ap.add_argument("--expert-chunk", type=int, default=None,
+                    help="expert_chunk of every run (a merge then goes by units of groups, shared over the ranks)")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="profile every rank with py-spy (collapsed stacks in DIR; slows the runs a little)")
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="distributed-"))
     model = root / "model"
     if not model.exists():
-        build(model, args.experts, args.layers)
+        build(model, args.experts, args.layers, args.clusters)
     cal = {"source": "random", "samples": args.samples, "seq_len": args.seq_len, "batch_size": 2,
            "dtype": "bfloat16", "holdout": 2}  # fmt: skip
     print(json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "experts": args.experts,
@@ -189,7 +212,7 @@ def main() -> None:
                 spy = Path(args.py_spy) if args.py_spy else None
                 if spy is not None:
                     spy.mkdir(parents=True, exist_ok=True)
-                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy))
+                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy, args.expert_chunk))
             except RuntimeError as err:
                 rows.append({"pass": name, "parallel": mode, "error": str(err)})
             print(json.dumps(rows[-1]), flush=True)

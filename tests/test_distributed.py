@@ -481,7 +481,7 @@ def test_chunk_parts_travel_as_bytes_unchanged(model):
     steps = list(rec.steps)
     lp = prepare(ckpt, steps, None, [None, None], RunContext.for_recipe(rec, ckpt, progress=False), 0)
     want = list(chunk_parts(lp, 2, 7, {0, 1}))
-    got = chunk_wire.decode(chunk_wire.encode(chunk_parts(lp, 2, 7, {0, 1}), steps))
+    got = chunk_wire.decode(*chunk_wire.encode(chunk_parts(lp, 2, 7, {0, 1}), steps))
     assert len(got) == len(want) and not any(isinstance(p, ErrPart) for p in got)
     for a, b in zip(want, got, strict=True):
         assert (a.s, a.g0, a.info, a.bound, a.changed, a.stock) == (
@@ -500,7 +500,7 @@ def test_chunk_parts_travel_as_bytes_unchanged(model):
             a.skeleton.num_experts == b.skeleton.num_experts and b.skeleton.gate.kind == a.skeleton.gate.kind
         )
     with pytest.raises(PassError, match=r"^step 2 \(rtn\), layer 0: broken$"):
-        chunk_wire.decode(chunk_wire.encode_error(PassError("step 2 (rtn), layer 0: broken")))
+        chunk_wire.decode(*chunk_wire.encode_error(PassError("step 2 (rtn), layer 0: broken")))
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)

@@ -263,6 +263,11 @@ def require_stock(layer: MoELayer, model_type: str) -> None:
             raise LayoutError(f"{model_type} layer {layer.index}: ragged {name} widths are not stock")
 
 
+STACK_READ = 8
+"""Per-expert tensors read at once while a projection's ``[E, ...]`` stack is filled: the stack and at most this
+many experts' tensors are held (``torch.stack`` of them all held the projection twice)."""
+
+
 class PerExpertAdapter(Adapter):
     """Architectures whose Hub checkpoints store one tensor per expert and projection."""
 
@@ -332,10 +337,17 @@ class PerExpertAdapter(Adapter):
             down = rows(f"{p}.experts.down_proj", start, stop)
         else:
 
-            def stack(name: str) -> torch.Tensor:  # one projection at a time bounds the transient peak
+            def stack(name: str) -> torch.Tensor:  # a projection, STACK_READ experts at a time, into its stack
                 names = [f"{p}.experts.{x}.{name}.weight" for x in range(start, stop)]
-                per_expert = get(names)
-                return torch.stack([per_expert.pop(k) for k in names])
+                out = None
+                for a in range(0, len(names), STACK_READ):
+                    got = get(names[a : a + STACK_READ])
+                    for k, key in enumerate(names[a : a + STACK_READ], a):
+                        t = got.pop(key)
+                        out = t.new_empty((len(names), *t.shape)) if out is None else out
+                        out[k] = t
+                        del t
+                return out
 
             gate, up, down = stack(g), stack(u), stack(d)
         return ExpertBank(Dense(gate), Dense(up), Dense(down))

@@ -24,8 +24,8 @@ an error a pass raises on another rank is sent to rank 0 and raised there with t
 The wire: a chunk's parts (:mod:`moecompress.engine.unit_work`) as bytes, to send them from one rank to another:
 safetensors for the tensors and JSON for everything else, never pickle.
 
-A message is an 8-byte little-endian length, a UTF-8 JSON header of that length, then a safetensors blob
-holding every real tensor the header refers to (``{"t": key}``). A ``meta`` tensor (a skeleton's weights)
+A message is two sends: a UTF-8 JSON header, then a safetensors blob holding every real tensor the header
+refers to (``{"t": key}``); apart, so that no side copies the tensors' bytes to join or split them. A ``meta`` tensor (a skeleton's weights)
 travels as ``{"meta": shape, "dtype": name}``; a step ``info`` as JSON whose tensors are references,
 every other value plain JSON (a value JSON cannot hold is a :class:`PassError` naming the step). The header
 may instead carry an ``error`` (a :class:`~moecompress.errors.MoecompressError` the sending rank raised):
@@ -35,7 +35,6 @@ may instead carry an ``error`` (a :class:`~moecompress.errors.MoecompressError` 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,7 @@ def layer_chunks(
     if n > 1:
         _command(ranks, lp.steps, [lp.idx, size, len(written), *sorted(written)])
     for k, (a, b) in enumerate(bounds):
-        yield chunk_parts(lp, a, b, written) if k % n == 0 else decode(ranks.recv_bytes(k % n))
+        yield chunk_parts(lp, a, b, written) if k % n == 0 else decode(*receive(ranks, k % n))
 
 
 def send_command(ranks: Ranks, steps: list, idx: int, size: int, written: list[int]) -> None:
@@ -91,7 +90,7 @@ def grouped_units(
     (``work(lo, hi)`` here for unit ``k`` with ``k mod N == 0``, else received from rank ``k mod N``)."""
     n = ranks.world_size
     for k, (lo, hi) in enumerate(units):
-        yield work(lo, hi) if k % n == 0 else decode(ranks.recv_bytes(k % n))
+        yield work(lo, hi) if k % n == 0 else decode(*receive(ranks, k % n))
 
 
 def share_choice(ranks: Ranks, dec) -> None:
@@ -117,13 +116,22 @@ def _follow_grouped(ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set
     return worked
 
 
-def _send(ranks: Ranks, make: Callable[[], bytes]) -> None:
+def _send(ranks: Ranks, make: Callable[[], tuple[bytes, bytes]]) -> None:
     try:
-        msg = make()
+        head, blob = make()
     except MoecompressError as err:
-        ranks.send_bytes(encode_error(err), 0)
+        head, blob = encode_error(err)
+        ranks.send_bytes(head, 0)
+        ranks.send_bytes(blob, 0)
         raise
-    ranks.send_bytes(msg, 0)
+    ranks.send_bytes(head, 0)
+    ranks.send_bytes(blob, 0)
+
+
+def receive(ranks: Ranks, src: int) -> tuple[bytes, bytes]:
+    """The next message rank ``src`` sends (:func:`_send`): its header, then its tensors."""
+    head = ranks.recv_bytes(src)
+    return head, ranks.recv_bytes(src)
 
 
 def release(ranks: Ranks, steps: list) -> None:
@@ -260,8 +268,10 @@ def _uninfo(info: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return info
 
 
-def encode(parts, steps: list) -> bytes:
-    """The parts of one chunk (an iterable of :class:`ErrPart` / :class:`StepPart`) as one message."""
+def encode(parts, steps: list) -> tuple[bytes, bytes]:
+    """The parts of one chunk (an iterable of :class:`ErrPart` / :class:`StepPart`) as one message: its
+    header and its tensors (safetensors), sent apart so that neither side copies the tensors' bytes again
+    to join or split them (a message's peak: its tensors and one copy of their bytes)."""
     box, head = _Tensors(), []
     for p in parts:
         if isinstance(p, ErrPart):
@@ -275,23 +285,19 @@ def encode(parts, steps: list) -> bytes:
             "writes": [[how, name, box.ref(t)] for how, name, t in p.writes],
         })  # fmt: skip
         p.writes = []  # the encoded tensors now live in the message only
-    return _frame({"parts": head}, save(box.out) if box.out else b"")
+    blob = save(box.out) if box.out else b""
+    box.out.clear()  # the parts' tensors now live in the blob only
+    return json.dumps({"parts": head}).encode(), blob
 
 
-def encode_error(err: MoecompressError) -> bytes:
+def encode_error(err: MoecompressError) -> tuple[bytes, bytes]:
     """A message that makes the receiver raise ``err`` again."""
-    return _frame({"error": {"type": type(err).__name__, "message": str(err)}}, b"")
+    return json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}).encode(), b""
 
 
-def _frame(head: dict, blob: bytes) -> bytes:
-    text = json.dumps(head).encode()
-    return struct.pack("<Q", len(text)) + text + blob
-
-
-def decode(msg: bytes) -> list[ErrPart | StepPart]:
+def decode(text: bytes, blob: bytes) -> list[ErrPart | StepPart]:
     """The parts of a message from :func:`encode` (or the error of :func:`encode_error`, raised)."""
-    (n,) = struct.unpack("<Q", msg[:8])
-    head = json.loads(msg[8 : 8 + n].decode())
+    head = json.loads(text.decode())
     if "error" in head:
         kind = getattr(errors, head["error"]["type"], None)
         if not (isinstance(kind, type) and issubclass(kind, MoecompressError)):
@@ -301,7 +307,7 @@ def decode(msg: bytes) -> list[ErrPart | StepPart]:
         except TypeError:
             err = MoecompressError(head["error"]["message"])
         raise err
-    tensors = load(msg[8 + n :]) if len(msg) > 8 + n else {}
+    tensors = load(blob) if blob else {}
     out: list[ErrPart | StepPart] = []
     for d in head["parts"]:
         if "err" in d:
