@@ -3,7 +3,7 @@ over the ranks, and a rank reads, holds and runs only its own (``calibration.par
 
 It is the two-phase forward of :mod:`moecompress.calibration.chunked` spread over the ranks. Rank ``r``
 owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks of experts ``k % N == r``
-(``expert_chunk``'s size, else ``ceil(E / N)``: one chunk per rank). For MoE layer ``i``:
+(``expert_chunk``'s size, else ``ceil(E / (N · UNITS_PER_RANK))``). For MoE layer ``i``:
 
 1. each rank runs its own batches through the decoder layer with :class:`~.chunked.RecordingMoE`: it keeps
    ``h1_b`` (the residual after attention) and the MoE input ``u_b``;
@@ -40,6 +40,12 @@ from moecompress.reference import Term, add_term, expert_terms, shared_forward
 
 NOT_SHARDED = frozenset({"down_in_cov_pooled", "expert_out_gram", "route_attrib"})
 """Statistics an expert-sharded layer does not give bit for bit: calibration stays data-parallel."""
+
+
+UNITS_PER_RANK = 2
+"""A layer's experts in ``N · UNITS_PER_RANK`` chunks when the run does not chunk it (calibration here, the layer
+loop in :func:`moecompress.engine.units.unit_size`): each rank holds half its share of a layer at a time (rtn
+at Qwen3-30B widths, 2 ranks: per-rank peak 0.66 → 0.59 of one process's, `benchmarks/RESULTS.md`)."""
 
 
 def shardable(needs, on_layer, ckpt, i: int) -> bool:

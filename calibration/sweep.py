@@ -236,7 +236,7 @@ def run_calibration(
                 store.put(i, hidden)
             apart = base is not None and base.hidden is not None  # the base stream differs from this one
             if i in moe_layers and sharded(i):
-                size = chunks.get(i, -(-int(ckpt.adapter.num_experts) // group.world_size))
+                size = chunks.get(i, -(-int(ckpt.adapter.num_experts) // (group.world_size * expert_sharded.UNITS_PER_RANK)))
                 outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
                                                          sample_tokens, save_experts=save_experts if i in chunks else None)  # fmt: skip
                 _check_outputs(i, outs)

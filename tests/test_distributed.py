@@ -25,6 +25,7 @@ from safetensors.torch import load, save
 from tiny import save_tiny
 
 import moecompress as mc
+from moecompress.calibration.expert_sharded import UNITS_PER_RANK
 from moecompress.calibration.stats import StatsCollector
 from moecompress.engine.distributed import Launch
 from moecompress.engine.spec import Chunking, PassConfig, PassSpec
@@ -423,8 +424,9 @@ DATA_FREE = {"source": "none"}
 
 @pytest.mark.slow  # 2 gloo ranks (~20 s, mostly two interpreters starting); the in-process test below is fast
 def test_rtn_sharded_by_experts_is_byte_identical(model):
-    """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 chunks, rank 1 works one."""
-    _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2, calibration=DATA_FREE)
+    """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 · UNITS_PER_RANK units,
+    rank 1 works every other one."""
+    _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2 * UNITS_PER_RANK, calibration=DATA_FREE)
 
 
 @pytest.mark.parametrize(
@@ -433,7 +435,7 @@ def test_rtn_sharded_by_experts_is_byte_identical(model):
 )
 def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated):
     """The sharding itself, fast: rank 1 (a thread) works chunks k mod 2 of every MoE layer (``off``: split
-    in 2 halves; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 receives and writes them. Data-free
+    in ``2 · UNITS_PER_RANK`` units; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 receives and writes them. Data-free
     rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
     from moecompress.engine import executor
     from moecompress.engine.dry_run import dry_run
@@ -461,7 +463,8 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
     t.start()
     got = rank(0)
     t.join(60)
-    assert not t.is_alive() and out["layer_loop"]["chunks"] == 2 and out["layer_loop"]["layers"] == 2
+    units = 2 * UNITS_PER_RANK if chunk == "off" else 2  # rank 1's units over the 2 layers
+    assert not t.is_alive() and out["layer_loop"]["chunks"] == units and out["layer_loop"]["layers"] == 2
     assert _hashes(model / f"q{chunk}{calibrated}-two") == _hashes(model / f"q{chunk}{calibrated}-one")
     sizes = [[(s["params_after"], s["bytes_after"]) for s in r["steps"]] for r in (ref, got)]
     assert sizes[0] == sizes[1]
@@ -508,7 +511,7 @@ def test_codequant_kmeans_rotated_sharded_by_experts_is_byte_identical(model):
     """codequant k-means only (exact by chunks) with a rotation: the layers are shared out by chunks (rank 1
     works one of 2 per layer), the rotation goes once with the chunk of the layer's first expert."""
     steps = [{"codequant": {"bits": 3, "finetune_steps": 0, "rotation": "hadamard", "kmeans_iters": 50}}]
-    _compare_sharded(model, "cqs", steps, served=2)
+    _compare_sharded(model, "cqs", steps, served=2 * UNITS_PER_RANK)
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
@@ -520,7 +523,7 @@ def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
         {"expert_prune": {"ratio": 0.25, "method": "frequency"}},  # reap_saliency would hold the layer whole
         {"rtn": {"bits": 4, "group_size": 16}},
     ]
-    _compare_sharded(model, "pe", steps, served=2)
+    _compare_sharded(model, "pe", steps, served=2 * UNITS_PER_RANK)
 
 
 @pytest.mark.slow
@@ -607,7 +610,7 @@ def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_
     one, two = _recipe(model, "kl", steps)
     with _one_thread():
         mc.apply(str(one), progress=False)
-    first = _sharded(two, die_at=2)  # rank 1 dies in its chunk of the second MoE layer
+    first = _sharded(two, die_at=2)  # rank 1 dies in its second unit
     assert first[1].returncode == 9
     assert first[0].returncode == Interrupted.exit_code, first[0].stderr[-2000:]
     lines = first[0].stderr.strip().splitlines()
@@ -658,5 +661,5 @@ def test_a_pass_error_on_another_rank_is_raised_on_rank_0_with_its_line(model):
 def test_gptq_sharded_by_experts_and_balanced_svd_held_whole_are_byte_identical(model):
     """gptq is exact by chunks (per-expert Hessians): its layers are shared out; svd_experts' balanced ranks
     are not (each chunk picks its own experts' extra ranks), so under torchrun its layers stay whole: one process's bytes."""
-    _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2)
+    _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2 * UNITS_PER_RANK)
     _compare(model, "sb", [{"svd_experts": {"ratio": 0.4}}])

@@ -12,8 +12,8 @@ byte for byte. When rank 0 is done it broadcasts a stop; the other ranks then re
 
 Which layers (:func:`~moecompress.engine.units.unit_size`): those the run holds by chunks anyway
 (``expert_chunk``), and, under ``N > 1`` ranks, every other MoE layer whose steps can all run by chunks
-with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``N``
-units of ``ceil(E / N)`` experts; a merge by units of groups (``Chunking('group')``) sends its command
+with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``2N``
+units of ``ceil(E / 2N)`` experts (``calibration.expert_sharded.UNITS_PER_RANK``); a merge by units of groups (``Chunking('group')``) sends its command
 before rank 0 prepares it, every rank decides the groups, and unit ``k`` is worked by rank ``k mod N``
 (:mod:`moecompress.engine.group_work`); any other layer is one unit, run whole by rank 0 while the others
 wait for the next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
