@@ -16,15 +16,15 @@ bit-identical) with the collector's ``on_expert`` for those experts; last, per b
 the cast, ``on_output``, and the layer output ``h1_b + moe_b``. Statistics equal the whole layer's bit for
 bit except the sums pooled over experts (``down_in_cov_pooled``: the same float64 terms in another order).
 
-**Backward** (reversed layers, the incoming gradient ``g_b`` w.r.t. the layer output). ``u_b`` is
-recomputed (recorder, no grad) and routed once; for each chunk (read once) and batch, the chunk's
-contributions are recomputed from a leaf ``u_b`` and a leaf of the routing weights and back-propagated
-with ``g_b`` (the collector's hooks give the chunk experts' gradient statistics); the shared expert once;
-then the router once from the summed weight gradients. The sum over chunks of these VJPs is the MoE's VJP
-``gu_b`` (linearity). Last, per batch, the decoder layer is recomputed with the recorder and grad from
-``x_b``, and ``backward([h1_b, u_b], [g_b, gu_b])`` gives ``x_b``'s gradient, the next layer's ``g``.
-Gradient statistics equal the whole layer's bit for bit, except ``down_in_grad_cov_pooled`` (order) and
-what flows through ``gu_b`` into earlier layers (the same terms summed in another order).
+**Backward** (reversed layers, the incoming gradient ``g_b`` w.r.t. the layer output): the expert-by-expert
+backward of :mod:`~moecompress.calibration.moe_backward` with chunks outer. ``u_b`` is recorded and routed
+once per batch; for each chunk (read once) and batch, each of the chunk's experts is back-propagated from
+leaves of its tokens' ``u_b`` rows and routing weights with ``g_b`` (the collector's hooks give its
+gradient statistics), its input gradient added to the batch's fp32 ``gu_b`` in expert order; then per
+batch the shared expert, the router (from the weight gradients) and the recomputed decoder layer
+(``backward([h1_b, u_b], [g_b, gu_b])``), which gives ``x_b``'s gradient, the next layer's ``g``. So the
+gradients and gradient statistics are the bits of the layer held whole (which runs the same backward batch
+by batch), except ``down_in_grad_cov_pooled`` (its float64 terms in another order).
 
 Held, besides the shell and one chunk: every batch's ``u_b`` and ``h1_b`` and the fp32 accumulators
 (forward), ``u_b`` and fp32 ``gu_b`` (backward); ``engine/resources.py`` counts them.
@@ -33,7 +33,6 @@ Held, besides the shell and one chunk: every batch's ``u_b`` and ``h1_b`` and th
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import nn
@@ -199,76 +198,31 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
     return result, col
 
 
-def _chunk_output(shell: MoELayer, bank: ExpertBank, first: int, phys, w, col, u: torch.Tensor) -> torch.Tensor:
-    """The part of the MoE output ``[T, H]`` (fp32) of the experts in ``bank`` (from expert ``first``)."""
-    out, acc = torch.zeros(u.shape, dtype=torch.float32, device=u.device), {}
-    expert_partials(bank, u, phys, w, out, acc, col, first)
-    for space, value in acc.items():
-        out = out + shell.experts.down.decode(space, value).float()
-    return out
+def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: dict, needs,
+                   sample_tokens: int = 512) -> StatsCollector:  # fmt: skip
+    """The streamed backward through chunked layer ``i`` (:mod:`~moecompress.calibration.moe_backward`, chunks
+    outer): ``grads[b]`` (w.r.t. its output) become the gradients w.r.t. its input ``inputs[b]``; returns the
+    gradient statistics' collector."""
+    from moecompress.calibration import moe_backward as mb  # it builds on this module
 
-
-def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: dict, needs) -> StatsCollector:
-    """The streamed backward through chunked layer ``i``: ``grads[b]`` (w.r.t. its output) become the
-    gradients w.r.t. its input ``inputs[b]``; returns the gradient statistics' collector."""
     layer = ChunkedLayer(skel, i, size)
-    col, dev, cpu = layer.collector(needs), skel.device, torch.device("cpu")
+    col, dev = layer.collector(needs, sample_tokens), skel.device
     col.mode = "backward"
     mod = layer.module()
-    us, phys, weights, wgrad, gu = {}, {}, {}, {}, {}
-    with torch.no_grad():
-        for b in grads:
-            args, kw = kwargs[b][i]
-            run_batch(mod, inputs[b], args, kw, dev)
-            u = _flat(layer.recorder.seen).to(dev)
-            us[b] = u.to(cpu)
-            layer.recorder.seen = None
-            _, _, weights[b], phys[b] = layer.route(u)
-            col.on_input(u)  # backward mode: keeps the Ward tokens (expert_out_gram_fisher)
-            del u
-            col.on_output_grad(grads[b].to(dev))  # out_grad_cov, in batch order, before the chunks
-            wgrad[b] = torch.zeros_like(weights[b])
-            gu[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
+    pend = {}
+    for b in grads:
+        args, kw = kwargs[b][i]
+        pend[b] = mb.open_batch(layer, mb.record(layer, mod, inputs[b], args, kw, dev), grads[b], col, dev, finish=True)
     mod = None  # not held while the chunks are: read again for the last recomputation
-
-    def vjp(b: int, fn) -> None:
-        """Back-propagate ``g_b`` through ``fn(u leaf)`` (fp32 ``[T, H]``, a part of the MoE output)."""
-        u = us[b].detach().to(dev).requires_grad_(True)
-        with torch.enable_grad():
-            part = fn(u)
-            if part.requires_grad:
-                part.backward(_flat(grads[b]).to(dev).float())
-        if u.grad is not None:
-            gu[b] += u.grad.float()
-
     for first, bank in layer.chunks(check=False):
         for b in grads:
-            wl = weights[b].detach().requires_grad_(True)
-            vjp(b, functools.partial(_chunk_output, layer.shell, bank, first, phys[b], wl, col))
-            if wl.grad is not None:
-                wgrad[b] += wl.grad
+            for term in mb.chunk_terms(bank, first, pend[b], col, dev):
+                mb.add_grad_term(term, pend[b])
         col.sample_chunk(first, bank)  # expert_out_gram_fisher: the chunk's experts on the Ward tokens
         del bank
-    for b in grads:
-        if layer.shell.shared is not None:
-            vjp(b, lambda u: shared_forward(layer.shell, u, col))
-        u = us[b].detach().to(dev).requires_grad_(True)  # the router, once, from the summed weight gradients
-        with torch.enable_grad():
-            _, _, w, _ = layer.route(u)
-            if w.requires_grad:
-                w.backward(wgrad[b])
-        if u.grad is not None:
-            gu[b] += u.grad.float()
-        us[b] = wgrad[b] = None
     mod = layer.module()
     for b in grads:
-        x = inputs[b].detach().to(dev).requires_grad_(True)
-        args, kw = to_device(kwargs[b][i], dev)
-        with torch.enable_grad():
-            out = mod(x, *args, **kw)
-            u = layer.recorder.seen
-            layer.recorder.seen = None
-            torch.autograd.backward([out, u], [grads[b].to(dev), gu[b].to(u.dtype).reshape(u.shape)])
-        grads[b] = x.grad.cpu()
-        gu[b] = None
+        args, kw = kwargs[b][i]
+        grads[b] = mb.close_batch(layer, mod, inputs[b], args, kw, pend[b], col, dev)
+        pend[b] = None
     return col

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load, save
 
+from moecompress.calibration import moe_backward as mb
 from moecompress.calibration.chunked import ChunkedLayer, _flat
 from moecompress.calibration.skeleton import run_batch, to_device
 from moecompress.reference import Term, add_term, expert_terms, shared_forward
@@ -46,6 +47,18 @@ UNITS_PER_RANK = 2
 """A layer's experts in ``N · UNITS_PER_RANK`` chunks when the run does not chunk it (calibration here, the layer
 loop in :func:`moecompress.engine.units.unit_size`): each rank holds half its share of a layer at a time (rtn
 at Qwen3-30B widths, 2 ranks: per-rank peak 0.66 → 0.59 of one process's, `benchmarks/RESULTS.md`)."""
+
+
+def default_size(ckpt, world: int) -> int:
+    """Experts per chunk of a layer the run does not chunk: ``ceil(E / (N · UNITS_PER_RANK))``."""
+    return -(-int(ckpt.adapter.num_experts) // (world * UNITS_PER_RANK))
+
+
+def backward_shardable(needs, ckpt, i: int) -> bool:
+    """Whether MoE layer ``i``'s streamed backward can run with its experts split over the ranks: the
+    expert-by-expert backward (:func:`~moecompress.calibration.moe_backward.canonical`) and no
+    :data:`~moecompress.calibration.moe_backward.NOT_SHARDED` statistic."""
+    return mb.canonical(ckpt, i, needs) and not (set(needs) & mb.NOT_SHARDED)
 
 
 def shardable(needs, on_layer, ckpt, i: int) -> bool:
@@ -189,3 +202,85 @@ def _expert_rows(group, layer: ChunkedLayer, col) -> None:
                 group.send_bytes(save(col.expert_rows(e, e + 1)), 0)
             elif rank == 0:
                 col.put_expert_rows(e, e + 1, load(group.recv_bytes(owner)))
+
+
+def _grad_blob(terms: list[mb.GradTerm]) -> bytes:
+    out = {}
+    for t in terms:
+        out[f"{t.expert}.x"], out[f"{t.expert}.w"] = t.x.cpu(), t.w.cpu()
+    return save(out)
+
+
+def _add_grad_blob(blob: bytes, p: mb.Pending, dev: torch.device) -> None:
+    """Add a rank's terms (:func:`_grad_blob`) in expert order, as :func:`~.moe_backward.expert_grad_terms`
+    made them (their rows follow from the batch's routing, the same on every rank)."""
+    got = load(blob)
+    for q in sorted({int(key.partition(".")[0]) for key in got}):
+        tok, slot = torch.where(p.phys == q)
+        mb.add_grad_term(mb.GradTerm(q, tok, slot, got[f"{q}.x"].to(dev), got[f"{q}.w"].to(dev)), p)
+
+
+def backward_layer(skel, i: int, size: int, group, inputs: list, kwargs: list, grads: dict, needs, share,
+                   sample_tokens: int):  # fmt: skip
+    """The streamed backward through MoE layer ``i`` with its experts split over the ranks: this rank's
+    ``grads[k]`` (local batch ``k``, w.r.t. the layer's output) become the gradients w.r.t. ``inputs[k]``;
+    returns the gradient statistics' collector (complete on rank 0).
+
+    The expert-by-expert backward of :mod:`~moecompress.calibration.moe_backward`, spread as
+    :func:`forward_layer` spreads the forward: each rank records its own batches' ``u_b`` and all-gathers
+    them with their gradients ``g_b`` round by round; every rank routes every batch; in round ``j`` rank
+    ``r`` reads chunk ``jN + r`` and makes its experts' terms for every batch (its collector sees their
+    gradient statistics), the terms are all-gathered and each batch's owner adds them in chunk order, which
+    is expert order; rank 0 sees every batch's ``g_b`` (``out_grad_cov``) and receives the other ranks'
+    per-expert rows. Then each rank closes its own batches (shared expert, router, the recomputed decoder
+    layer). Rank 0's statistics and every gradient are one process's bits."""
+    _, mine, rounds = share
+    world, rank, dev = group.world_size, group.rank, skel.device
+    layer = ChunkedLayer(skel, i, size)
+    col = layer.collector(needs, sample_tokens)
+    col.mode = "backward"
+    mod = layer.module()
+    us: dict[int, torch.Tensor] = {}
+    gs: dict[int, torch.Tensor] = {}
+    for k in range(rounds):
+        blob = save({})
+        if k in grads:
+            args, kw = kwargs[k][i]
+            u = mb.record(layer, mod, inputs[k], args, kw, dev)
+            blob = save({"u": u.contiguous(), "g": _flat(grads[k]).cpu().contiguous()})
+            del u
+        for r, got in enumerate(group.all_gather_bytes(blob)):
+            if got := load(got):
+                us[k * world + r], gs[k * world + r] = got["u"], got["g"]
+    mod = None  # not held while the chunks are: read again for the last recomputation
+    own = {mine[k] for k in grads}
+    order = sorted(us)
+    pend = {b: mb.open_batch(layer, us[b], gs[b], col if rank == 0 else None, dev, finish=b in own) for b in order}
+    del us, gs
+    chunks = len(layer.ranges)
+    for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
+        k = j * world + rank
+        first, bank = layer.chunk(k, check=False) if k < chunks else (0, None)
+        for b in order:
+            p = pend[b]
+            terms = mb.chunk_terms(bank, first, p, col, dev) if bank is not None else []
+            blobs = group.all_gather_bytes(_grad_blob(terms))
+            if p.gu is not None:
+                for r, blob in enumerate(blobs):
+                    if r == rank:
+                        for t in terms:
+                            mb.add_grad_term(t, p)
+                    else:
+                        _add_grad_blob(blob, p, dev)
+            del terms, blobs
+        bank = None
+    _expert_rows(group, layer, col)
+    for b in order:
+        if b not in own:
+            pend[b] = None
+    mod = layer.module()
+    for k in grads:
+        args, kw = kwargs[k][i]
+        grads[k] = mb.close_batch(layer, mod, inputs[k], args, kw, pend[mine[k]], col, dev)
+        pend[mine[k]] = None
+    return col

@@ -109,16 +109,21 @@ class Group(Protocol):
     def all_sum_int(self, value: int) -> int: ...
 
 
-def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], bool]) -> None:
+def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], bool],
+                    shard_backward: Callable[[int], bool]) -> None:  # fmt: skip
     if "route_attrib" in needs:
         raise RecipeError("route_attrib (attribute_routing) is not collected data-parallel yet; run one process")
     held = sorted(i for i in chunks if not sharded(i))
-    if held or (chunks and backward_needed(set(needs))):
-        why = ("their streamed backward (a gradient statistic) is not sharded over ranks yet" if not held else
-               "the statistics needed cannot be collected with the experts split over ranks "
+    if not held and backward_needed(set(needs)):
+        held = sorted(i for i in chunks if not shard_backward(i))
+        why = ("their streamed backward needs a statistic the ranks cannot collect by chunks of experts bit for bit "
+               "(down_in_grad_cov_pooled, expert_out_gram_fisher)")  # fmt: skip
+    else:
+        why = ("the statistics needed cannot be collected with the experts split over ranks "
                "(down_in_cov_pooled, expert_out_gram) or calibration.parallel is batches")  # fmt: skip
+    if held:
         raise RecipeError(
-            f"layers {held or sorted(chunks)} are calibrated by chunks of experts (expert_chunk), but {why}; run one "
+            f"layers {held} are calibrated by chunks of experts (expert_chunk), but {why}; run one "
             "process, or expert_chunk: off"
         )
 
@@ -202,8 +207,11 @@ def run_calibration(
     def sharded(i: int) -> bool:
         return group is not None and shard_experts and expert_sharded.shardable(needs, on_layer, ckpt, i)
 
+    def shard_backward(i: int) -> bool:
+        return group is not None and shard_experts and expert_sharded.backward_shardable(needs, ckpt, i)
+
     if group is not None:
-        _check_parallel(needs, chunks, sharded)
+        _check_parallel(needs, chunks, sharded, shard_backward)
         if on_layer is not None and "router_sample_base" in needs:
             raise RecipeError("router_sample_base (router_robustness) under calibration.propagate: compressed is not "
                               "collected data-parallel yet; run one process")  # fmt: skip
@@ -236,7 +244,7 @@ def run_calibration(
                 store.put(i, hidden)
             apart = base is not None and base.hidden is not None  # the base stream differs from this one
             if i in moe_layers and sharded(i):
-                size = chunks.get(i, -(-int(ckpt.adapter.num_experts) // (group.world_size * expert_sharded.UNITS_PER_RANK)))
+                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
                 outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
                                                          sample_tokens, save_experts=save_experts if i in chunks else None)  # fmt: skip
                 _check_outputs(i, outs)
@@ -308,7 +316,7 @@ def run_calibration(
         loss = None
         if store is not None:
             loss = _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks,
-                             (group, mine, rounds), sample_tokens)  # fmt: skip
+                             (group, mine, rounds), shard_backward, sample_tokens)  # fmt: skip
     finally:
         if store is not None:
             store.close()
@@ -316,8 +324,8 @@ def run_calibration(
 
 
 def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share,
-              sample_tokens: int = 512) -> float:  # fmt: skip
-    from moecompress.calibration import chunked
+              shard_backward: Callable[[int], bool], sample_tokens: int = 512) -> float:  # fmt: skip
+    from moecompress.calibration import chunked, expert_sharded, moe_backward
 
     group, mine, rounds = share
     ckpt = skel.ckpt
@@ -347,9 +355,16 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
         disable=not progress,
     ):
         inputs = store.get(i)
-        if i in chunks:
-            save_backward(i, chunked.backward_layer(skel, i, chunks[i], inputs, kwargs, grads, needs).result())
-            inputs = None
+        if i in moe_layers and (i in chunks or moe_backward.canonical(ckpt, i, needs)):
+            if group is not None and shard_backward(i):
+                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
+                col = expert_sharded.backward_layer(skel, i, size, group, inputs, kwargs, grads, needs, share, sample_tokens)
+            elif i in chunks:  # one process (under torchrun a chunked layer is sharded or refused)
+                col = chunked.backward_layer(skel, i, chunks[i], inputs, kwargs, grads, needs, sample_tokens)
+            else:
+                col = moe_backward.whole_layer(skel, i, inputs, kwargs, grads, needs, sample_tokens, group, rounds)
+            save_backward(i, col.result() if group is None or group.rank == 0 or not shard_backward(i) else {})
+            inputs = col = None
             continue
         moe = ckpt.read_layer(i) if i in moe_layers else None
         col = StatsCollector(moe, needs, sample_tokens, rounds=group is not None) if moe is not None else None

@@ -1,9 +1,10 @@
 """Expert-chunked calibration (``calibration/chunked.py``) equals the whole-layer sweep.
 
 Forward statistics, the propagated activations and the LM loss are bit-identical (the experts' partials
-are added to the same accumulators in the same order); the sums pooled over experts and the gradient
-statistics of every MoE layer below the last (whose incoming gradient sums the chunks' VJPs in another
-order) agree within a tolerance derived from the dtype and the reduction sizes.
+are added to the same accumulators in the same order); so are the gradient statistics where the whole
+layer runs the same expert-by-expert backward (``calibration/moe_backward.py``). The sums pooled over
+experts, and the gradient statistics below a layer whose whole-layer backward is autograd's (a recipe
+needing ``expert_out_gram_fisher``), agree within a tolerance derived from the dtype and the reduction sizes.
 """
 
 from __future__ import annotations
@@ -120,6 +121,22 @@ def test_chunked_statistics_equal_the_whole_layer(tiny, model_type):
                 assert _rel(bwd[i][k], want) <= _tol(ckpt, torch.float32, depth), (size, i, k, _rel(bwd[i][k], want))
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_gradient_statistics_are_the_whole_layers_bits(tiny, model_type):
+    """Without a statistic that keeps autograd's whole-layer backward, every gradient statistic of every
+    layer (the gradient passed down through chunked layers included) is the whole layer's, bit for bit."""
+    ckpt = tiny(model_type)
+    needs = HEAPR | ALWAYS | {"out_grad_cov"}
+    _, bwd0, s0 = _calibrate(ckpt, needs, {})
+    for size in (1, 3):
+        _, bwd, s = _calibrate(ckpt, needs, dict.fromkeys(ckpt.moe_layer_indices, size))
+        assert s["loss"] == s0["loss"]
+        for i in ckpt.moe_layer_indices:
+            assert bwd[i].keys() == bwd0[i].keys()
+            for k, want in bwd0[i].items():
+                assert torch.equal(bwd[i][k], want), (size, i, k, _rel(bwd[i][k], want))
+
+
 def test_chunks_mixed_with_whole_layers_and_bfloat16(tiny):
     """Only some layers chunked, compute dtype bfloat16: forward statistics still bit-identical."""
     ckpt = tiny("deepseek_v3")
@@ -160,7 +177,9 @@ def test_chunked_layers_are_never_read_whole(tiny):
     assert moe[0] not in whole and set(whole) == set(moe[1:])
     e = ckpt.adapter.num_experts
     chunks = [(moe[0], a, min(a + 3, e)) for a in range(0, e, 3)]
-    assert parts == chunks + chunks  # once per chunk in the forward sweep, once in the backward
+    assert [p for p in parts if p[0] == moe[0]] == chunks + chunks  # once in the forward sweep, once in the backward
+    # the other layers: read whole in the forward, their experts at once in the expert-by-expert backward
+    assert sorted(p for p in parts if p[0] != moe[0]) == [(i, 0, e) for i in moe[1:]]
 
 
 def test_damaged_expert_in_a_chunk_is_named(tmp_path):

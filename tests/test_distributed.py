@@ -543,6 +543,15 @@ def test_expert_chunk_layers_calibrate_and_run_sharded_with_one_process_cache_an
 
 
 @pytest.mark.slow
+def test_heapr_with_expert_chunk_calibrates_its_backward_by_chunks_over_the_ranks(model):
+    """``expert_chunk: 3`` and a gradient statistic under 2 ranks (refused before the backward was sharded):
+    forward and streamed backward by chunks of experts split over the ranks, then heapr's global plan by
+    chunks shared out; one process's bytes."""
+    _compare_sharded(model, "hx", [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 8}}], served=None,
+                     expert_chunk=3)  # fmt: skip
+
+
+@pytest.mark.slow
 def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
     """A layer with tdmoe (needs every expert) runs whole on rank 0 while rank 1 waits (codequant too:
     ``test_codequant_is_byte_identical``); with expert_chunk: 3 the per-expert rtn layers go by chunks k mod

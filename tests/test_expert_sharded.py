@@ -132,21 +132,60 @@ def test_statistics_pooled_over_experts_stay_data_parallel_with_the_same_bits(tm
         _equal(one, want)
 
 
-def test_backward_after_a_sharded_forward_has_one_process_bits(tmp_path):
-    """A gradient statistic: the forward is sharded by experts, the streamed backward data-parallel."""
-    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+@pytest.mark.parametrize(
+    ("model_type", "chunk"), [("qwen3_moe", None), ("qwen3_moe", 3), ("deepseek_v3", None), ("gpt_oss", 1)]
+)
+def test_the_streamed_backward_sharded_by_experts_has_one_process_bits(tmp_path, model_type, chunk):
+    """A gradient statistic: the forward and the streamed backward are both sharded by experts (each rank
+    reads only its chunks in the backward too); rank 0's gradient statistics, hence the gradient every layer
+    passed down, are one process's bits (shared expert: deepseek_v3; biases, clamped act: gpt_oss)."""
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    chunks = {} if chunk is None else dict.fromkeys(ckpt.moe_layer_indices, chunk)
     needs = {"act_sq_mean", "grad_sq_mean", "out_grad_cov"} | ALWAYS
     want = _calibrate(tmp_path / "m", needs)
-    (fwd, bwd, _), _ = _two_ranks(tmp_path / "m", needs)
+    (fwd, bwd, _), (_, other, _) = _two_ranks(tmp_path / "m", needs, chunks=chunks)
     _equal(fwd, want[0])
     _equal(bwd, want[1])
+    assert float(want[1][ckpt.moe_layer_indices[0]]["grad_sq_mean"].sum()) > 0
+    assert other == {i: {} for i in want[1]}, "only rank 0 keeps the layer's statistics"
 
 
-def test_chunked_backward_under_ranks_is_refused_in_one_line(tmp_path):
+def test_a_rank_reads_only_its_chunks_in_the_backward(tmp_path, monkeypatch):
+    """Rank 1 of 2 reads chunks ``k % 2 == 1`` of each MoE layer, once in the forward and once in the backward."""
+    from moecompress.io import checkpoint as cp
+
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    e = ckpt.adapter.num_experts
+    reads: dict[str, list] = {}
+    real = cp.Checkpoint.read_experts
+
+    def spy(self, i, a, b):
+        reads.setdefault(threading.current_thread().name, []).append((i, a, b))
+        return real(self, i, a, b)
+
+    monkeypatch.setattr(cp.Checkpoint, "read_experts", spy)
+    monkeypatch.setattr(cp.Checkpoint, "read_layer", lambda *a: pytest.fail("a layer read whole"))
+    _two_ranks(tmp_path / "m", {"grad_sq_mean"} | ALWAYS, chunks=dict.fromkeys(ckpt.moe_layer_indices, 3))
+    mine = [(i, a, min(a + 3, e)) for i in ckpt.moe_layer_indices for a in range(3, e, 6)]
+    one = [r for name, rs in reads.items() if name != threading.main_thread().name for r in rs]
+    assert sorted(one) == sorted(mine + mine)
+
+
+def test_statistics_the_chunks_cannot_give_keep_the_backward_data_parallel_with_the_same_bits(tmp_path):
+    """``down_in_grad_cov_pooled`` (a sum over experts) and ``calibration.parallel: batches``: the backward is
+    data-parallel, layers held whole, batch by batch, with one process's bits; with ``expert_chunk`` it is
+    refused in one line."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    for needs, shard in (({"grad_sq_mean", "down_in_grad_cov_pooled"} | ALWAYS, True), ({"grad_sq_mean"} | ALWAYS, False)):
+        want = _calibrate(tmp_path / "m", needs)
+        (_, zero, _), (_, one, _) = _two_ranks(tmp_path / "m", needs, shard=shard)
+        _equal(zero, want[1])
+        _equal(one, want[1])
     chunks = {i: 3 for i in mc.open_checkpoint(tmp_path / "m").moe_layer_indices}
-    with pytest.raises(RecipeError, match=r"streamed backward .* not sharded over ranks") as err:
-        _calibrate(tmp_path / "m", {"grad_sq_mean"} | ALWAYS, ranks=QueueRanks(0, 2), chunks=chunks)
+    with pytest.raises(RecipeError, match=r"streamed backward needs a statistic") as err:
+        _calibrate(tmp_path / "m", {"down_in_grad_cov_pooled"} | ALWAYS, ranks=QueueRanks(0, 2), chunks=chunks)
     assert "\n" not in str(err.value)
     with pytest.raises(RecipeError, match=r"calibration\.parallel is batches"):
         _calibrate(tmp_path / "m", FORWARD, ranks=QueueRanks(0, 2), chunks=chunks, shard=False)
