@@ -17,7 +17,7 @@ the cast, ``on_output``, and the layer output ``h1_b + moe_b``. Statistics equal
 bit except the sums pooled over experts (``down_in_cov_pooled``: the same float64 terms in another order).
 
 **Backward** (reversed layers, the incoming gradient ``g_b`` w.r.t. the layer output): the expert-by-expert
-backward of :mod:`~moecompress.calibration.moe_backward` with chunks outer. ``u_b`` is recorded and routed
+backward of :mod:`~moecompress.calibration.moe_backward` with chunks outer (``by_chunks``). ``u_b`` is recorded and routed
 once per batch; for each chunk (read once) and batch, each of the chunk's experts is back-propagated from
 leaves of its tokens' ``u_b`` rows and routing weights with ``g_b`` (the collector's hooks give its
 gradient statistics), its input gradient added to the batch's fp32 ``gu_b`` in expert order; then per
@@ -196,33 +196,3 @@ def forward_layer(skel, i: int, size: int, hidden: list, kwargs: list, holdout: 
             result.append(h1 + to_device(moe, cpu).reshape(h1.shape))
             h1s[b] = us[b] = outs[b] = accs[b] = None
     return result, col
-
-
-def backward_layer(skel, i: int, size: int, inputs: list, kwargs: list, grads: dict, needs,
-                   sample_tokens: int = 512) -> StatsCollector:  # fmt: skip
-    """The streamed backward through chunked layer ``i`` (:mod:`~moecompress.calibration.moe_backward`, chunks
-    outer): ``grads[b]`` (w.r.t. its output) become the gradients w.r.t. its input ``inputs[b]``; returns the
-    gradient statistics' collector."""
-    from moecompress.calibration import moe_backward as mb  # it builds on this module
-
-    layer = ChunkedLayer(skel, i, size)
-    col, dev = layer.collector(needs, sample_tokens), skel.device
-    col.mode = "backward"
-    mod = layer.module()
-    pend = {}
-    for b in grads:
-        args, kw = kwargs[b][i]
-        pend[b] = mb.open_batch(layer, mb.record(layer, mod, inputs[b], args, kw, dev), grads[b], col, dev, finish=True)
-    mod = None  # not held while the chunks are: read again for the last recomputation
-    for first, bank in layer.chunks(check=False):
-        for b in grads:
-            for term in mb.chunk_terms(bank, first, pend[b], col, dev):
-                mb.add_grad_term(term, pend[b])
-        col.sample_chunk(first, bank)  # expert_out_gram_fisher: the chunk's experts on the Ward tokens
-        del bank
-    mod = layer.module()
-    for b in grads:
-        args, kw = kwargs[b][i]
-        grads[b] = mb.close_batch(layer, mod, inputs[b], args, kw, pend[b], col, dev)
-        pend[b] = None
-    return col

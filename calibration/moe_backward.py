@@ -17,7 +17,7 @@ see :mod:`moecompress.calibration.chunked`):
 
 An expert's term depends only on its own tokens, so whichever experts are held together — the whole layer
 batch by batch (:func:`whole_layer`), chunks of experts with chunks outer (``expert_chunk``,
-:func:`moecompress.calibration.chunked.backward_layer`), or chunks spread over ``torch.distributed`` ranks
+:func:`by_chunks`), or chunks spread over ``torch.distributed`` ranks
 (:func:`moecompress.calibration.expert_sharded.backward_layer`) — the gradients and the per-expert
 gradient statistics are the same bits. (An autograd graph over the whole block, the older path, adds the
 experts' input gradients in the order autograd visits them, which no split can reproduce.)
@@ -35,7 +35,7 @@ import torch
 
 from moecompress.calibration.chunked import ChunkedLayer
 from moecompress.calibration.skeleton import to_device
-from moecompress.calibration.stats import StatsCollector
+from moecompress.calibration.stats import StatsCollector, merge_round
 from moecompress.ir import ExpertBank
 from moecompress.reference import expert_forward, shared_forward
 
@@ -176,8 +176,6 @@ def whole_layer(skel, i: int, inputs: list, kwargs: list, grads: dict, needs, sa
     """The backward through MoE layer ``i`` held whole, batch by batch: ``grads[b]`` become the gradients
     w.r.t. ``inputs[b]``; returns the gradient statistics' collector. ``group``: data-parallel over ranks,
     this rank's batches in ``rounds`` rounds, the statistics merged round by round as one process adds them."""
-    from moecompress.calibration.sweep import _merge_round  # it builds on this module
-
     layer = ChunkedLayer(skel, i, 1 << 62)  # one chunk: every expert
     _, bank = layer.chunk(0, check=False)
     col = StatsCollector(layer.shell, needs, sample_tokens, rounds=group is not None)
@@ -192,5 +190,33 @@ def whole_layer(skel, i: int, inputs: list, kwargs: list, grads: dict, needs, sa
                 add_grad_term(term, p)
             grads[b] = close_batch(layer, mod, inputs[b], args, kw, p, col, dev)
         if merged is not None:
-            _merge_round(group, col, merged)
+            merge_round(group, col, merged)
     return merged if merged is not None else col
+
+
+def by_chunks(skel, i: int, size: int, inputs: list, kwargs: list, grads: dict, needs,
+                   sample_tokens: int = 512) -> StatsCollector:  # fmt: skip
+    """The backward through MoE layer ``i`` by chunks of ``size`` experts, chunks outer (``expert_chunk``, one
+    process): ``grads[b]`` (w.r.t. its output) become the gradients w.r.t. its input ``inputs[b]``; returns the
+    gradient statistics' collector."""
+    layer = ChunkedLayer(skel, i, size)
+    col, dev = layer.collector(needs, sample_tokens), skel.device
+    col.mode = "backward"
+    mod = layer.module()
+    pend = {}
+    for b in grads:
+        args, kw = kwargs[b][i]
+        pend[b] = open_batch(layer, record(layer, mod, inputs[b], args, kw, dev), grads[b], col, dev, finish=True)
+    mod = None  # not held while the chunks are: read again for the last recomputation
+    for first, bank in layer.chunks(check=False):
+        for b in grads:
+            for term in chunk_terms(bank, first, pend[b], col, dev):
+                add_grad_term(term, pend[b])
+        col.sample_chunk(first, bank)  # expert_out_gram_fisher: the chunk's experts on the Ward tokens
+        del bank
+    mod = layer.module()
+    for b in grads:
+        args, kw = kwargs[b][i]
+        grads[b] = close_batch(layer, mod, inputs[b], args, kw, pend[b], col, dev)
+        pend[b] = None
+    return col

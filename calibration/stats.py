@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from safetensors.torch import load, save
 
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.grams import WardOutputs
@@ -449,3 +450,10 @@ class StatsCollector:
         if "grad_tokens" in other._counts:
             self._counts["grad_tokens"] = other._counts["grad_tokens"]
         self._n_grad_tokens = other._n_grad_tokens
+
+
+def merge_round(group, col: StatsCollector, total: StatsCollector) -> None:
+    """One round of data-parallel calibration: every rank's batch contribution (``col``, made with
+    ``rounds=True``), added into ``total`` in rank order (= batch order)."""
+    for blob in group.all_gather_bytes(save(col.take_round())):
+        total.add_round(load(blob))

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
 from moecompress.calibration.skeleton import Skeleton, all_finite, check_finite, run_batch, to_device
-from moecompress.calibration.stats import StatsCollector
+from moecompress.calibration.stats import StatsCollector, merge_round
 from moecompress.calibration.trace import RoutingTrace
 from moecompress.errors import CheckpointError, RecipeError
 from moecompress.ir import MoELayer
@@ -149,12 +149,6 @@ class _BaseStream:
         with torch.no_grad():
             outs = [run_batch(mod, x, *kwargs[b][i], skel.device) for b, x in enumerate(self.hidden or [])]
         return outs, (col.result().get("router_sample") if col is not None else None)
-
-
-def _merge_round(group: Group, col: StatsCollector, total: StatsCollector) -> None:
-    """One round: every rank's batch contribution, added into ``total`` in rank order (= batch order)."""
-    for blob in group.all_gather_bytes(save(col.take_round())):
-        total.add_round(load(blob))
 
 
 def _check_outputs(i: int, outs: list[torch.Tensor]) -> None:
@@ -285,7 +279,7 @@ def run_calibration(
                         args, kw = kwargs[b][i]
                         outs.append(run_batch(mod, hidden[b], args, kw, skel.device))
                     if total is not None:
-                        _merge_round(group, col, total)
+                        merge_round(group, col, total)
             del mod
             col = total if total is not None else col
             _check_outputs(i, outs)
@@ -325,7 +319,7 @@ def run_calibration(
 
 def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share,
               shard_backward: Callable[[int], bool], sample_tokens: int = 512) -> float:  # fmt: skip
-    from moecompress.calibration import chunked, expert_sharded, moe_backward
+    from moecompress.calibration import expert_sharded, moe_backward
 
     group, mine, rounds = share
     ckpt = skel.ckpt
@@ -360,7 +354,7 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
                 size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
                 col = expert_sharded.backward_layer(skel, i, size, group, inputs, kwargs, grads, needs, share, sample_tokens)
             elif i in chunks:  # one process (under torchrun a chunked layer is sharded or refused)
-                col = chunked.backward_layer(skel, i, chunks[i], inputs, kwargs, grads, needs, sample_tokens)
+                col = moe_backward.by_chunks(skel, i, chunks[i], inputs, kwargs, grads, needs, sample_tokens)
             else:
                 col = moe_backward.whole_layer(skel, i, inputs, kwargs, grads, needs, sample_tokens, group, rounds)
             save_backward(i, col.result() if group is None or group.rank == 0 or not shard_backward(i) else {})
@@ -382,7 +376,7 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
                     out.backward(grads[b].to(dev))
                 grads[b] = x.grad.cpu()
             if merged is not None:
-                _merge_round(group, col, merged)
+                merge_round(group, col, merged)
         # the autograd graph of `out` holds the gradient hooks, which hold the collector and the layer
         mod = inputs = out = x = None
         col = merged if merged is not None else col
