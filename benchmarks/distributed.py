@@ -12,8 +12,8 @@ vocabulary and attention. Each configuration runs as fresh processes (``moecompr
 variables ``torchrun`` sets, ``OMP_NUM_THREADS=1``), each with its own statistics cache. Peak RSS and
 CPU seconds are each process's ``getrusage``; calibration seconds come from rank 0's ``report.json``.
 What runs on several ranks (``docs/distributed.md``): calibration (``--parallel auto``, the default: each
-MoE layer's forward with its experts split over the ranks, the streamed backward data-parallel;
-``batches``: data-parallel whole layers), and the layer loop's per-expert work (each MoE layer split in 2
+MoE layer's forward and streamed backward with its experts split over the ranks; ``batches``:
+data-parallel whole layers), and the layer loop's per-expert work (each MoE layer split in 2
 chunks of experts, rank 1 working one and sending it to rank 0, which writes). ``rtn_data_free`` runs
 ``rtn`` with ``calibration.source: none``: no calibration, so its peak RSS is the layer loop's. The
 load average (``os.getloadavg``) is recorded before and after every measurement: on a shared machine the

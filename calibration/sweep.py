@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
 from moecompress.calibration.skeleton import Skeleton, all_finite, check_finite, run_batch, to_device
-from moecompress.calibration.stats import StatsCollector, merge_round
+from moecompress.calibration.stats import SPILLED, StatsCollector, merge_round
 from moecompress.calibration.trace import RoutingTrace
 from moecompress.errors import CheckpointError, RecipeError
 from moecompress.ir import MoELayer
@@ -201,6 +201,10 @@ def run_calibration(
     def sharded(i: int) -> bool:
         return group is not None and shard_experts and expert_sharded.shardable(needs, on_layer, ckpt, i)
 
+    # under ranks, a sharded layer's per-expert covariances are written chunk by chunk (as expert_chunk's
+    # are): rank 0 never holds the layer's, and every cache layout loads the same rows (cache.ExpertRows)
+    spilled = save_experts is not None and bool(set(needs) & set(SPILLED))
+
     def shard_backward(i: int) -> bool:
         return group is not None and shard_experts and expert_sharded.backward_shardable(needs, ckpt, i)
 
@@ -240,7 +244,7 @@ def run_calibration(
             if i in moe_layers and sharded(i):
                 size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
                 outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
-                                                         sample_tokens, save_experts=save_experts if i in chunks else None)  # fmt: skip
+                                                         sample_tokens, save_experts=save_experts if i in chunks or spilled else None)  # fmt: skip
                 _check_outputs(i, outs)
                 st = col.result() if group.rank == 0 else {}  # rank 0 keeps the layer's statistics
                 if "router_sample_base" in needs and "router_sample" in st:  # propagate: original

@@ -110,14 +110,23 @@ def test_spilled_covariances_reach_rank_0_in_expert_order(tmp_path):
         assert all(torch.equal(zero[i][k], v) for k, v in whole[i].items() if k not in SPILLED)
 
 
-def test_a_layer_held_whole_keeps_its_covariances_in_the_layer_file_as_one_process_does(tmp_path):
-    """No ``expert_chunk``: the covariances stay in the layer's statistics on rank 0 (nothing spilled, the
-    cache of one process); rank 1 held only its own experts' sums and handed them over."""
+def test_a_layer_the_run_does_not_chunk_writes_its_covariances_expert_by_expert_under_ranks(tmp_path):
+    """No ``expert_chunk``: one process keeps the covariances in the layer's statistics; under ranks rank 0
+    writes them expert by expert as each round ends (never holding the layer's), rank 1 writes nothing; the
+    rows are one process's bits. Without a writer for them they stay in the layer's statistics."""
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
-    needs = {"expert_in_cov", "down_in_cov"} | ALWAYS
+    needs = {"expert_in_cov", "down_in_cov", "act_sq_mean"} | ALWAYS
     want, _ = _calibrate(tmp_path / "m", needs)
     (zero, _, spilled), (_, _, other) = _two_ranks(tmp_path / "m", needs, spilled=True)
-    assert spilled == {} and other == {}
+    e = mc.open_checkpoint(tmp_path / "m").adapter.num_experts
+    assert other == {} and spilled.keys() == want.keys()
+    for i in want:
+        assert [a for a, _ in spilled[i]] == list(range(e))
+        for name in SPILLED:
+            assert name not in zero[i]
+            assert torch.equal(torch.cat([s[name] for _, s in spilled[i]]), want[i][name]), (i, name)
+        assert all(torch.equal(zero[i][k], v) for k, v in want[i].items() if k not in SPILLED)
+    (zero, _, _), _ = _two_ranks(tmp_path / "m", needs)
     _equal(zero, want)
 
 

@@ -20,6 +20,7 @@ free disk.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import sys
@@ -310,6 +311,7 @@ def release_freed() -> None:
         trim(0)
 
 
+@functools.cache  # find_library runs `ldconfig -p`: 0.25 s per call, measured (benchmarks/distributed.py --py-spy)
 def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
