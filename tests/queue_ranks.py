@@ -5,6 +5,8 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
+import torch
+
 from moecompress.engine.distributed import Ranks
 
 
@@ -47,3 +49,7 @@ class QueueRanks(Ranks):
 
     def recv_bytes(self, src: int) -> bytes:
         return self._q("p", src, self.rank).get(timeout=120)
+
+    def recv_buffer(self, src: int) -> torch.Tensor:
+        blob = self.recv_bytes(src)
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)

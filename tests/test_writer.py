@@ -230,3 +230,28 @@ def test_without_copy_file_range_the_shard_is_the_same(tmp_path, monkeypatch):
         w.add_many(tensors)
         out = w.commit()
     assert (out / "model.safetensors").read_bytes() == _reference(tensors, tmp_path / "ref.safetensors")
+
+
+def test_load_buffer_views_the_tensors_of_safetensors_bytes_without_copying():
+    """What a rank receives: every tensor equal to safetensors' ``load`` of the same bytes (dtype, shape,
+    values), each a view into the buffer; an unaligned tensor falls back to ``load``."""
+    from safetensors.torch import load, save
+
+    from moecompress.io.shard_format import load_buffer
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=g), "i": torch.arange(7), "b": torch.randn(4, generator=g).bfloat16(),
+               "m": torch.tensor([True, False, True]), "q": torch.randn(2, 2, generator=g).to(torch.float8_e4m3fn),
+               "e": torch.zeros(0, 4), "u": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g)}  # fmt: skip
+    raw = save(tensors)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    got, want = load_buffer(buf), load(raw)
+    assert got.keys() == want.keys() == tensors.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+        if got[k].numel():
+            assert buf.data_ptr() <= got[k].data_ptr() < buf.data_ptr() + len(buf), k
+    shifted = torch.frombuffer(bytearray(b"\0" + raw), dtype=torch.uint8)[1:]  # every offset odd
+    moved = load_buffer(shifted)
+    assert all(torch.equal(moved[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())

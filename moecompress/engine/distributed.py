@@ -150,13 +150,17 @@ class Ranks:
 
     def recv_bytes(self, src: int) -> bytes:
         """The next blob rank ``src`` sends this rank (:meth:`send_bytes`)."""
+        return self.recv_buffer(src).numpy().tobytes()
+
+    def recv_buffer(self, src: int) -> torch.Tensor:
+        """The next blob rank ``src`` sends this rank, as a uint8 host tensor (not copied into ``bytes``)."""
         dev = torch.device(self.device)
         size = torch.zeros(1, dtype=torch.int64, device=dev)
         _guard(self, "recv", lambda: torch.distributed.recv(size, src))
         data = torch.empty(int(size), dtype=torch.uint8, device=dev)
         if data.numel():
             _guard(self, "recv", lambda: torch.distributed.recv(data, src))
-        return data.cpu().numpy().tobytes()
+        return data.cpu()
 
     def from_writer(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank."""

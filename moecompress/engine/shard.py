@@ -51,6 +51,7 @@ from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.unit_work import ErrPart, LayerPlan, StepPart, chunk_parts, prepare
 from moecompress.errors import MoecompressError, PassError, RecipeError
 from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.shard_format import load_buffer
 from moecompress.ir import Act, ExpertBank
 from moecompress.layouts import LAYOUTS
 
@@ -128,10 +129,11 @@ def _send(ranks: Ranks, make: Callable[[], tuple[bytes, bytes]]) -> None:
     ranks.send_bytes(blob, 0)
 
 
-def receive(ranks: Ranks, src: int) -> tuple[bytes, bytes]:
-    """The next message rank ``src`` sends (:func:`_send`): its header, then its tensors."""
+def receive(ranks: Ranks, src: int) -> tuple[bytes, torch.Tensor]:
+    """The next message rank ``src`` sends (:func:`_send`): its header, then its tensors' safetensors bytes
+    (a uint8 tensor: :func:`decode` views the tensors in it)."""
     head = ranks.recv_bytes(src)
-    return head, ranks.recv_bytes(src)
+    return head, ranks.recv_buffer(src)
 
 
 def release(ranks: Ranks, steps: list) -> None:
@@ -295,8 +297,9 @@ def encode_error(err: MoecompressError) -> tuple[bytes, bytes]:
     return json.dumps({"error": {"type": type(err).__name__, "message": str(err)}}).encode(), b""
 
 
-def decode(text: bytes, blob: bytes) -> list[ErrPart | StepPart]:
-    """The parts of a message from :func:`encode` (or the error of :func:`encode_error`, raised)."""
+def decode(text: bytes, blob: bytes | torch.Tensor) -> list[ErrPart | StepPart]:
+    """The parts of a message from :func:`encode` (or the error of :func:`encode_error`, raised); a received
+    ``blob`` (uint8 tensor) is not copied: the parts' tensors are views into it (``load_buffer``)."""
     head = json.loads(text.decode())
     if "error" in head:
         kind = getattr(errors, head["error"]["type"], None)
@@ -307,7 +310,10 @@ def decode(text: bytes, blob: bytes) -> list[ErrPart | StepPart]:
         except TypeError:
             err = MoecompressError(head["error"]["message"])
         raise err
-    tensors = load(blob) if blob else {}
+    if isinstance(blob, torch.Tensor):
+        tensors = load_buffer(blob) if blob.numel() else {}
+    else:
+        tensors = load(blob) if blob else {}
     out: list[ErrPart | StepPart] = []
     for d in head["parts"]:
         if "err" in d:
