@@ -16,7 +16,8 @@ MoE layer's forward and streamed backward with its experts split over the ranks;
 data-parallel whole layers), and the layer loop's per-expert work (each MoE layer split in 2
 chunks of experts, rank 1 working one and sending it to rank 0, which writes). ``rtn_data_free`` runs
 ``rtn`` with ``calibration.source: none``: no calibration, so its peak RSS is the layer loop's. The
-load average (``os.getloadavg``) is recorded before and after every measurement: on a shared machine the
+page cache is written back (``os.sync``) before every run, so that a run does not pay for the previous one's
+dirty pages (its output, its cache: GBs), and the load average (``os.getloadavg``) is recorded before and after every measurement: on a shared machine the
 ratios are only as good as the machine was quiet.
 """
 
@@ -151,8 +152,12 @@ def measure(
             rec["expert_chunk"] = chunk
         path = root / f"{name}-{world}.yaml"
         path.write_text(yaml.safe_dump(rec))
+        t0 = time.perf_counter()
+        os.sync()  # the previous run's dirty pages (GBs of shards, caches) flushed first, outside the timing
+        synced = round(time.perf_counter() - t0, 2)
         load0 = os.getloadavg()[0]
         res = launch(path, world, spy)
+        res["sync_before_s"] = synced
         res["load_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         report = json.loads((root / f"out-{name}-{world}" / "report.json").read_text())
         res["calibration_s"] = report.get("calibration", {}).get("seconds")
