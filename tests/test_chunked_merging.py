@@ -9,7 +9,7 @@ import torch
 from test_namex import make_layer, make_stats
 
 from moecompress.engine import chunks
-from moecompress.engine.unit_work import _pair_order
+from moecompress.engine.pair_sweep import pair_order
 from moecompress.ir import ExpertBank
 from moecompress.layouts.dense import Dense
 from moecompress.passes import merge_experts as me
@@ -62,7 +62,7 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     whole, info = whole_fn(layer, stats, cfg)
     acc, bounds = None, list(chunks.bounds(8, size))
     sub = lambda k: chunks.sub_layer(layer, chunks.meta_bank(layer.experts, *bounds[k]), bounds[k][0])  # noqa: E731
-    for i, j in _pair_order(len(bounds)):  # the first sweep: each chunk's summaries, every pair's Gram block
+    for i, j in pair_order(len(bounds)):  # the first sweep: each chunk's summaries, every pair's Gram block
         a = sub(i)
         if i == j:
             acc = gather_summaries(a, stats, cfg, acc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecompress.engine.unit_work import _pair_order
+from moecompress.engine.pair_sweep import pair_order, sweep_pairs
 from moecompress.methods import weight_gram
 from moecompress.methods.merging import pairwise_distance
 from moecompress.methods.weight_gram import gram_block, gram_points
@@ -45,15 +45,31 @@ def test_gram_points_keep_cosine_and_euclidean_distances():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_the_pairs_sweep_visits_each_pair_once_reading_few_chunks(n):
-    order = _pair_order(n)
+    """``pair_sweep.sweep_pairs``: every pair once, the diagonal in chunk order, ``1 + n(n - 1)/2`` reads, and
+    never a third chunk alive (each chunk is an object whose finaliser counts it)."""
+    import weakref
+
+    order = pair_order(n)
     assert sorted(order) == [(i, j) for i in range(n) for j in range(i, n)]
     assert [i for i, j in order if i == j] == list(range(n))  # the diagonal in chunk order
-    held: set[int] = set()
-    reads = 0
-    for i, j in order:  # as unit_work._gather_pairs: the anchor kept, at most one other chunk
-        for k in (i, j):
-            if k not in held:
-                held = {i} & held | {k}
-                reads += 1
-        assert len(held) <= 2
-    assert reads == 1 + n * (n - 1) // 2
+
+    class Chunk:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+    alive: set[int] = set()
+    seen: list[tuple[int, int]] = []
+
+    def read(k: int) -> Chunk:
+        assert len(alive) <= 1, f"chunk {k} read while {sorted(alive)} are held"
+        c = Chunk(k)
+        alive.add(k)
+        weakref.finalize(c, alive.discard, k)
+        return c
+
+    def visit(i: int, j: int, a: Chunk, b: Chunk) -> None:
+        assert (a.k, b.k) == (i, j) and len(alive) <= 2
+        seen.append((i, j))
+
+    reads = sweep_pairs(n, read, visit)
+    assert seen == order and reads == 1 + n * (n - 1) // 2 and not alive

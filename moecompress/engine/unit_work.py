@@ -30,6 +30,7 @@ from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.follow import follower, split_kept
 from moecompress.engine.held_back import Errors, ErrPart
+from moecompress.engine.pair_sweep import sweep_pairs
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
 from moecompress.engine.resources import release_freed
 from moecompress.engine.steps import run_step, step_stats
@@ -226,7 +227,7 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
     """Step ``s``'s first phase (``Chunking.gather``): every chunk of ``size`` experts of the layer read, the
     earlier ``select`` steps applied, folded in chunk order; then ``Chunking.fit`` once with the layer's
     statistics: the value every chunk's step reads as ``stats.prelude``. With ``Chunking.pairs``, every pair
-    of chunks instead (:func:`_pair_order`). Every rank repeats it under ``torchrun`` (the same fold in the
+    of chunks instead (:func:`~.pair_sweep.pair_order`). Every rank repeats it under ``torchrun`` (the same fold in the
     same order: the same value)."""
     step, mode, idx = lp.steps[s], lp.steps[s].spec.chunking, lp.idx
     where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
@@ -250,33 +251,20 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
         raise PassError(f"{step.label}, layer {idx}: {e}") from None
 
 
-def _pair_order(n: int) -> list[tuple[int, int]]:
-    """Every pair ``i ≤ j`` of ``n`` chunks, the diagonal in chunk order: each row ``i`` runs ``(i, i)``, then
-    ``j`` from the last chunk down to ``i + 1``, so the next row's chunk is the one just read. Holding two
-    chunks, the sweep reads ``1 + n(n − 1)/2`` chunks (``n`` at most 2: each once)."""
-    return [p for i in range(n) for p in [(i, i), *((i, j) for j in range(n - 1, i, -1))]]
-
-
 def _gather_pairs(lp: LayerPlan, s: int, bounds: list[tuple[int, int]], where: torch.device) -> Any:
-    """The first sweep over pairs of chunks (``Chunking.pair``), two chunks held at once: the anchor ``i`` and
-    the one read last; ``Chunking.gather`` on each chunk as it is the anchor (chunk order)."""
+    """The first sweep over pairs of chunks (``Chunking.pair``, :func:`~.pair_sweep.sweep_pairs`: two chunks
+    held at once); ``Chunking.gather`` on each chunk as it is the anchor (chunk order)."""
     step, mode = lp.steps[s], lp.steps[s].spec.chunking
-    e_s, acc, held = lp.shells[s].router.num_experts, None, {}
-    for i, j in _pair_order(len(bounds)):
-        for k in (i, j):
-            if k not in held:
-                for old in [o for o in held if o != i]:
-                    del held[old]
-                release_freed()
-                held[k] = _gathered_chunk(lp, s, *bounds[k], where)
-        a, b = held[i], held[j]
+    e_s, acc = lp.shells[s].router.num_experts, None
+
+    def visit(i: int, j: int, a, b) -> None:
+        nonlocal acc
         if a is not None and b is not None:
             if i == j:
                 acc = mode.gather(a[0], a[1], step.config, acc)
             acc = mode.pair(a[0], b[0], step.config, (a[2], b[2]), e_s, acc)
-        a = b = None  # the held chunks only: an evicted one is freed before the next is read
-    del held
-    release_freed()
+
+    sweep_pairs(len(bounds), lambda k: _gathered_chunk(lp, s, *bounds[k], where), visit)
     return acc
 
 
