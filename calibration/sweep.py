@@ -187,7 +187,8 @@ def run_calibration(
     that :func:`~moecompress.calibration.expert_sharded.shardable` allows is forwarded with its experts split
     over the ranks instead (:mod:`moecompress.calibration.expert_sharded`); rank 0 (every rank, data-parallel)
     ends with the statistics of one process, bit for bit.
-    ``save_experts(i, a, stats)``: a chunked layer's per-expert covariances, chunk by chunk
+    ``save_experts(i, a, stats)``: the per-expert covariances of a chunked layer, and under ``ranks`` of every
+    expert-sharded layer, chunk by chunk
     (:func:`moecompress.calibration.chunked.forward_layer`); ``None``: in its ``save_forward``."""
     from moecompress.calibration import chunked, expert_sharded  # they build on this module's helpers
 
