@@ -157,6 +157,19 @@ def _rows(out, name):
     return json.loads(f.read_text())["layers"]
 
 
+def _floats_apart(got, want, path: str) -> list[str]:
+    """Where two reports' infos differ (a path each): everything equal but floats, equal to float32's
+    round-off (the whole layer and its chunks sum the statistics in other orders, which on some CPUs moves the
+    last bits of the fits made from them)."""
+    if isinstance(want, float) and isinstance(got, float):
+        return [] if got == pytest.approx(want, rel=1e-5, abs=1e-7) else [f"{path}: {got} != {want}"]
+    if isinstance(want, dict) and isinstance(got, dict) and got.keys() == want.keys():
+        return [d for k in want for d in _floats_apart(got[k], want[k], f"{path}.{k}")]
+    if isinstance(want, list) and isinstance(got, list) and len(got) == len(want):
+        return [d for i, (g, w) in enumerate(zip(got, want, strict=True)) for d in _floats_apart(g, w, f"{path}[{i}]")]
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]
+
+
 @pytest.mark.parametrize(
     ("model_type", "name", "cfg"),
     [
@@ -199,7 +212,7 @@ def test_merging_by_chunks_writes_the_whole_layers_checkpoint(tmp_path, model_ty
             if k.startswith("rel_error"):
                 assert ib[k] == pytest.approx(v, rel=1e-5, abs=1e-7)
             else:
-                assert ib[k] == v, k
+                assert _floats_apart(ib[k], v, k) == [], k
 
 
 def test_a_group_larger_than_the_chunk_is_warned_and_refused_when_it_cannot_fit(tmp_path, monkeypatch):
