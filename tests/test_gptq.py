@@ -36,7 +36,8 @@ def _spd(n: int, seed: int = 0, rank: int | None = None) -> torch.Tensor:
         n, 8 * n, generator=g
     )
     x = x * torch.rand(n, 1, generator=g).add(0.2)  # channels of different scales
-    return x @ x.T / x.shape[1]
+    s = x @ x.T / x.shape[1]
+    return (s + s.T) / 2  # symmetric to the bit (a float32 product need not be: MKL on AMD EPYC)
 
 
 def _on_grid(bits: int, gs: int, symmetric: bool, out: int = 6, inn: int = 32, seed: int = 0) -> torch.Tensor:
