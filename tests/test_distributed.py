@@ -28,6 +28,7 @@ import moecompress as mc
 from moecompress.calibration.expert_sharded import UNITS_PER_RANK
 from moecompress.calibration.stats import StatsCollector
 from moecompress.engine.distributed import Launch
+from moecompress.engine.journal import UNITS
 from moecompress.engine.spec import Chunking, PassConfig, PassSpec
 from moecompress.errors import Interrupted, PassError, RecipeError
 from moecompress.io.checkpoint import open_checkpoint
@@ -430,15 +431,21 @@ def test_rtn_sharded_by_experts_is_byte_identical(model):
 
 
 @pytest.mark.parametrize(
-    ("chunk", "calibrated"),
-    [("off", False), (3, False), pytest.param("off", True, marks=pytest.mark.slow)],  # calibrated: ~10 s
-)
-def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated):
+    ("chunk", "calibrated", "by_file"),
+    [("off", False, True), ("off", False, False), (3, False, True),
+     pytest.param("off", True, True, marks=pytest.mark.slow)],  # calibrated: ~10 s
+)  # fmt: skip
+def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated, by_file, monkeypatch):
     """The sharding itself, fast: rank 1 (a thread) works chunks k mod 2 of every MoE layer (``off``: split
-    in ``2 · UNITS_PER_RANK`` units; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 receives and writes them. Data-free
-    rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
-    from moecompress.engine import executor
+    in ``2 · UNITS_PER_RANK`` units; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 writes them:
+    their tensors from rank 1's files in the run's units directory (``by_file``), else from the messages.
+    Data-free rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
+    from moecompress.engine import executor, shard
     from moecompress.engine.dry_run import dry_run
+
+    if not by_file:  # as when rank 1 cannot see rank 0's staging directory (another host)
+        files = shard.unit_files
+        monkeypatch.setattr(shard, "unit_files", lambda ranks, staging: files(ranks, staging) and None)
 
     # expert_prune by frequency: expert_counts do not change with heapr, so the layer may go by chunks
     # (reap_saliency would be replayed on the pruned layer, which holds it whole: engine/follow.py)
@@ -465,9 +472,39 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
     t.join(60)
     units = 2 * UNITS_PER_RANK if chunk == "off" else 2  # rank 1's units over the 2 layers
     assert not t.is_alive() and out["layer_loop"]["chunks"] == units and out["layer_loop"]["layers"] == 2
+    written = 1 if rec.emit == "final" else len(rec.steps)  # a file per unit and written step
+    assert out["layer_loop"]["unit_files"] == (units * written if by_file else 0)
     assert _hashes(model / f"q{chunk}{calibrated}-two") == _hashes(model / f"q{chunk}{calibrated}-one")
+    assert not (model / f"q{chunk}{calibrated}-two" / UNITS).exists()
     sizes = [[(s["params_after"], s["bytes_after"]) for s in r["steps"]] for r in (ref, got)]
     assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("other", ["same", "missing", "elsewhere"])
+def test_the_other_ranks_write_their_units_only_where_rank_0_reads_them(tmp_path, other):
+    """``shard.unit_files``: rank 1 gets a units directory only when rank 0 reads back the probe rank 1 wrote
+    there; a staging path that does not exist on rank 1's host, or exists there as another directory (a
+    local disk at the same path), leaves the tensors in the messages, on both ranks."""
+    from moecompress.engine import shard
+
+    staging = tmp_path / "out.partial"
+    staging.mkdir()
+    seen = {"same": staging, "missing": tmp_path / "nowhere", "elsewhere": tmp_path / "host2" / "out.partial"}[other]
+    (tmp_path / "host2" / "out.partial").mkdir(parents=True)
+    (tmp_path / "host2" / "out.partial" / UNITS).mkdir()
+    wire, got = {}, {}
+    t = threading.Thread(target=lambda: got.update(r1=shard.unit_files(QueueRanks(1, 2, wire=wire), seen)))
+    t.start()
+    got["r0"] = shard.unit_files(QueueRanks(0, 2, wire=wire), staging)
+    t.join(30)
+    assert not t.is_alive() and got["r0"] is None  # rank 0 writes its own units through its writers
+    if other == "same":
+        assert got["r1"] is not None and got["r1"].where == staging / UNITS and got["r1"].rank == 1
+        name, offsets = got["r1"].write([torch.arange(3.0), torch.ones(2, dtype=torch.bfloat16)])
+        assert offsets == [0, 12] and (staging / UNITS / name).stat().st_size == 16
+    else:
+        assert got["r1"] is None
+    assert [p.name for p in (staging / UNITS).iterdir()] == ([name] if other == "same" else [])  # no probe left
 
 
 def test_chunk_parts_travel_as_bytes_unchanged(model):

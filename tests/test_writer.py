@@ -255,3 +255,97 @@ def test_load_buffer_views_the_tensors_of_safetensors_bytes_without_copying():
     shifted = torch.frombuffer(bytearray(b"\0" + raw), dtype=torch.uint8)[1:]  # every offset odd
     moved = load_buffer(shifted)
     assert all(torch.equal(moved[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
+
+
+def _other_process_file(path: Path, tensors: list[torch.Tensor]) -> list[int]:
+    """What another rank does (``shard.UnitFiles``): the tensors' bytes one after another in a file of its
+    own; their offsets."""
+    offsets, off = [], 0
+    with open(path, "wb") as f:
+        for t in tensors:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            offsets.append(off)
+            f.write(raw)
+            off += len(raw)
+    return offsets
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bytes_from_adopted_files_make_the_same_shards(tmp_path, seed):
+    """Tensors whose bytes another process wrote (added or appended as segments from its files) make the
+    file byte-identical to safetensors' own, and each adopted file is deleted once its bytes are in a
+    shard (at release when the shard is finished already, else at the shard's flush)."""
+    tensors = {k: v for k, v in _random_tensors(seed, 40).items() if v.dtype != torch.float4_e2m1fn_x2}
+    names = list(tensors)
+    rnd = random.Random(seed)
+    fused = torch.arange(24 * 5, dtype=torch.bfloat16).reshape(24, 5)  # an [E, ...] tensor in 3 segments
+    ref = dict(tensors, **{"model.fused": fused})
+    files = []
+    with ShardWriter(tmp_path / "out", max_shard_size=600) as w:
+        for k in range(0, len(names), 7):
+            mine = names[k : k + 7]
+            if rnd.random() < 0.5:  # this one is written here
+                for n in mine:
+                    w.add(n, tensors[n])
+                continue
+            path = tmp_path / f"unit{k}.data"
+            seg = fused[8 * len(files) : 8 * len(files) + 8] if len(files) < 3 else None
+            offs = _other_process_file(path, [tensors[n] for n in mine] + ([seg] if seg is not None else []))
+            w.adopt(path)
+            for n, o in zip(mine, offs, strict=False):
+                w.add_from(n, tensors[n].dtype, tensors[n].shape, path, o)
+            if seg is not None:
+                w.append_from("model.fused", torch.bfloat16, path, offs[-1], seg.numel() * 2)
+            w.release(path)
+            files.append(path)
+        for j in range(len(files), 3):  # the segments no other process wrote
+            w.append("model.fused", fused[8 * j : 8 * j + 8])
+        w.end("model.fused", fused.shape)
+        assert len(files) >= 2
+        out = w.commit()
+    assert not any(p.exists() for p in files)
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    raw = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731 (random bytes hold NaNs)
+    assert sorted(got) == sorted(ref)
+    assert all(got[n].shape == ref[n].shape and torch.equal(raw(got[n]), raw(ref[n])) for n in ref)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ref.values())
+    for f in sorted(out.glob("*.safetensors")):  # every shard as save_file writes its tensors
+        with safe_open(str(f), "pt") as s:
+            mine = {n: s.get_tensor(n) for n in s.keys()}
+        assert f.read_bytes() == _reference(mine, tmp_path / "ref.safetensors")
+
+
+def test_an_adopted_files_bytes_count_towards_the_shard_size(tmp_path):
+    a, b = torch.ones(100, dtype=torch.float32), torch.zeros(100, dtype=torch.float32)
+    path = tmp_path / "u.data"
+    offs = _other_process_file(path, [a, b])
+    with ShardWriter(tmp_path / "out", max_shard_size=500) as w:
+        w.adopt(path)
+        w.add_from("a", a.dtype, a.shape, path, offs[0])
+        assert w.buffered_bytes == 400
+        w.add_from("b", b.dtype, b.shape, path, offs[1])  # 800 > 500: "a" is finished first
+        assert w.buffered_bytes == 400 and path.exists()
+        w.release(path)
+        assert path.exists()  # "b" is not in a shard yet
+        out = w.commit()
+    assert not path.exists()
+    assert len(list(out.glob("model-*.safetensors"))) == 2
+
+
+def test_an_adopted_file_too_short_or_missing_is_one_line_and_abort_deletes_it(tmp_path):
+    path = tmp_path / "u.data"
+    _other_process_file(path, [torch.ones(4)])
+    with ShardWriter(tmp_path / "out") as w:
+        with pytest.raises(CheckpointError, match=r"cannot read .*missing\.data"):
+            w.adopt(tmp_path / "missing.data")
+        with pytest.raises(CheckpointError, match="is not adopted"):
+            w.add_from("x", torch.float32, [4], path, 0)
+        w.adopt(path)
+        with pytest.raises(CheckpointError, match=r"holds no bytes 8\.\.24"):
+            w.add_from("x", torch.float32, [4], path, 8)
+        assert not w.written("x")
+        w.add_from("x", torch.float32, [4], path, 0)
+    assert not path.exists() and not (tmp_path / "out").exists()

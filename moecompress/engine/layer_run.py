@@ -30,13 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from moecompress.engine import chunks
 from moecompress.engine.group_work import trial as trial_info
 from moecompress.engine.group_work import unit_parts
+from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
-from moecompress.engine.shard import grouped_units, layer_chunks, send_command, share_choice
+from moecompress.engine.shard import FileBytes, grouped_units, layer_chunks, send_command, share_choice
 from moecompress.engine.unit_work import ErrPart, StepPart, prepare, whole_parts
 from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
@@ -279,11 +281,23 @@ def _write_chunk(run: RecipeRun, idx: int, number: int, part: StepPart, stock: d
         raise PassError(
             f"layer {idx}: the chunks' outputs do not share one on-disk form; use expert_chunk: off"
         )
+    adopted: list[Path] = []
     for how, name, t in part.writes:
-        if how == "add":
+        if isinstance(t, FileBytes):  # another rank wrote its bytes (shard.unit_files): the writer adopts them
+            path = run.staging / UNITS / t.file
+            if path not in adopted:
+                w.adopt(path)
+                adopted.append(path)
+            if how == "add":
+                w.add_from(name, t.dtype, t.shape, path, t.offset)
+            else:
+                w.append_from(name, t.dtype, path, t.offset, t.nbytes)
+        elif how == "add":
             w.add(name, t)
         else:
             w.append(name, t)
+    for path in adopted:
+        w.release(path)
     part.writes = []
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moecompress._version import __version__
 from moecompress.engine.context import RunContext
-from moecompress.engine.journal import JOURNAL, staging_dir, write_json_atomic
+from moecompress.engine.journal import JOURNAL, UNITS, staging_dir, write_json_atomic
 from moecompress.engine.layer_loop import stream_layers
 from moecompress.engine.layer_run import run_layer
 from moecompress.engine.protection import MASSIVE_RATIO_WARNING
@@ -208,6 +208,7 @@ class RecipeRun:
             final = max(self.writers)
             write_model_card(self.staging, **_card_kwargs(run, self.ckpt, self.descs[final], self.out.name))
         (self.staging / JOURNAL).unlink(missing_ok=True)
+        shutil.rmtree(self.staging / UNITS, ignore_errors=True)  # empty: rank 0's writers adopted every file
         move_into_place(self.staging, self.out)
         return run
 

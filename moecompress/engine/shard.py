@@ -8,7 +8,10 @@ written steps); chunk ``k`` is then worked (:func:`~moecompress.engine.unit_work
 dequantising, every step, the error contributions, the encoding) by rank ``k mod N``. Each other rank
 sends its chunks' parts to rank 0 (the wire below: safetensors and JSON), which
 consumes every chunk in chunk order exactly as it consumes its own, so the output is the one process's,
-byte for byte. When rank 0 is done it broadcasts a stop; the other ranks then return.
+byte for byte. A written step's encoded tensors (most of a chunk's bytes) go instead into a file of the other
+rank's in the staging directory's ``units/`` when rank 0 can read it there (:func:`unit_files`), and rank 0's
+writer adopts the file (:meth:`~moecompress.io.writer.ShardWriter.adopt`): they are neither sent nor written
+twice. When rank 0 is done it broadcasts a stop; the other ranks then return.
 
 Which layers (:func:`~moecompress.engine.units.unit_size`): those the run holds by chunks anyway
 (``expert_chunk``), and, under ``N > 1`` ranks, every other MoE layer whose steps can all run by chunks
@@ -35,7 +38,12 @@ may instead carry an ``error`` (a :class:`~moecompress.errors.MoecompressError` 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
+import socket
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +55,12 @@ from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.distributed import Ranks
 from moecompress.engine.group_work import CHOICES, owned, trial, unit_parts
+from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.unit_work import ErrPart, LayerPlan, StepPart, chunk_parts, prepare
 from moecompress.errors import MoecompressError, PassError, RecipeError
 from moecompress.io.checkpoint import Checkpoint
-from moecompress.io.shard_format import load_buffer
+from moecompress.io.shard_format import _pwrite, load_buffer
 from moecompress.ir import Act, ExpertBank
 from moecompress.layouts import LAYOUTS
 
@@ -101,7 +110,9 @@ def share_choice(ranks: Ranks, dec) -> None:
         dec.choice = CHOICES[got[0]]
 
 
-def _follow_grouped(ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set[int]) -> int:
+def _follow_grouped(
+    ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set[int], files: UnitFiles | None = None
+) -> int:
     """Ranks ``1..N-1`` on a merge's layer by units of groups: their units' results to rank 0 (both passes);
     returns the units worked."""
     dec, steps, worked = lp.preludes[g], lp.steps, 0
@@ -111,7 +122,7 @@ def _follow_grouped(ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set
             _send(ranks, lambda: encode([StepPart(g, lo, None, 0.0, trial(lp, g, lo, hi))], steps))  # noqa: B023
         share_choice(ranks, dec)
     for lo, hi in units:
-        _send(ranks, lambda: encode(unit_parts(lp, g, lo, hi, g in written), steps))  # noqa: B023
+        _send(ranks, lambda: encode(unit_parts(lp, g, lo, hi, g in written), steps, files))  # noqa: B023
         worked += 1
         release_freed()
     return worked
@@ -144,12 +155,13 @@ def release(ranks: Ranks, steps: list) -> None:
 
 def follow(
     ranks: Ranks, ckpt: Checkpoint, steps: list, entry: Path | None, ctx: RunContext,
-    plans_of: Callable[[], dict], *, needs_stats: bool = True,
+    plans_of: Callable[[], dict], *, needs_stats: bool = True, files: UnitFiles | None = None,
 ) -> dict:  # fmt: skip
     """Ranks ``1..N-1``: work the chunks rank 0 hands out until it stops; ``plans_of()``: the run's
     cross-layer plans (computed at the first command, when the statistics entry is complete);
-    ``needs_stats``: the run calibrates (not ``calibration.source: none``). Returns what this rank did
-    (layers, chunks, its largest resident memory in the layer loop)."""
+    ``needs_stats``: the run calibrates (not ``calibration.source: none``); ``files``: where this rank writes
+    its units' encoded tensors (:func:`unit_files`; ``None``: they travel in the messages). Returns what this
+    rank did (layers, chunks, its largest resident memory in the layer loop)."""
     plans: dict | None = None
     layers = worked = 0
     peak = rss_mb()
@@ -157,7 +169,8 @@ def follow(
         cmd = _command(ranks, steps, [])
         idx, size, count = cmd[:3]
         if idx == STOP:
-            return {"layers": layers, "chunks": worked, "peak_rss_mb": round(peak, 1)}
+            return {"layers": layers, "chunks": worked, "peak_rss_mb": round(peak, 1),
+                    "unit_files": files.count if files is not None else 0}  # fmt: skip
         if plans is None:
             _check_entry(ranks, entry, needs_stats)
             plans = plans_of()
@@ -165,14 +178,14 @@ def follow(
         written = set(cmd[3 : 3 + count])
         grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
         if grouped:  # a merge by units of groups (group_work)
-            worked += _follow_grouped(ranks, lp, size, grouped[0], written)
+            worked += _follow_grouped(ranks, lp, size, grouped[0], written, files)
             peak = max(peak, rss_mb())
             layers += 1
             del lp
             continue
         for k, (a, b) in enumerate(chunks.bounds(lp.shells[0].router.num_experts, size)):
             if k % ranks.world_size == ranks.rank:
-                serve(ranks, lp, a, b, written)
+                serve(ranks, lp, a, b, written, files)
                 worked += 1
                 peak = max(peak, rss_mb())
                 release_freed()
@@ -188,10 +201,12 @@ def _check_entry(ranks: Ranks, entry: Path | None, needs_stats: bool) -> None:
         )
 
 
-def serve(ranks: Ranks, lp: LayerPlan, a: int, b: int, written: set[int]) -> None:
+def serve(
+    ranks: Ranks, lp: LayerPlan, a: int, b: int, written: set[int], files: UnitFiles | None = None
+) -> None:
     """Experts ``[a, b)`` of ``lp``'s layer worked here and sent to rank 0 (an error a pass raises is sent
-    too, then raised here)."""
-    _send(ranks, lambda: encode(chunk_parts(lp, a, b, written), lp.steps))
+    too, then raised here); ``files``: see :func:`follow`."""
+    _send(ranks, lambda: encode(chunk_parts(lp, a, b, written), lp.steps, files))
 
 
 # -- the wire ------------------------------------------------------------------------------------------
@@ -270,10 +285,12 @@ def _uninfo(info: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return info
 
 
-def encode(parts, steps: list) -> tuple[bytes, bytes]:
+def encode(parts, steps: list, files: UnitFiles | None = None) -> tuple[bytes, bytes]:
     """The parts of one chunk (an iterable of :class:`ErrPart` / :class:`StepPart`) as one message: its
     header and its tensors (safetensors), sent apart so that neither side copies the tensors' bytes again
-    to join or split them (a message's peak: its tensors and one copy of their bytes)."""
+    to join or split them (a message's peak: its tensors and one copy of their bytes). With ``files``, a
+    written step's encoded tensors go to a file of this rank's instead (:class:`UnitFiles`) and the header
+    says where."""
     box, head = _Tensors(), []
     for p in parts:
         if isinstance(p, ErrPart):
@@ -284,7 +301,7 @@ def encode(parts, steps: list) -> tuple[bytes, bytes]:
             "bound": None if p.bound is None else list(p.bound),
             "info": None if p.info is None else _info(p.info, box, steps[p.s].label),
             "skeleton": None if p.skeleton is None else _bank(p.skeleton, box),
-            "writes": [[how, name, box.ref(t)] for how, name, t in p.writes],
+            "writes": _writes(p.writes, box, files),
         })  # fmt: skip
         p.writes = []  # the encoded tensors now live in the message only
     blob = save(box.out) if box.out else b""
@@ -323,6 +340,104 @@ def decode(text: bytes, blob: bytes | torch.Tensor) -> list[ErrPart | StepPart]:
             d["s"], d["g0"], None if d["skeleton"] is None else _unbank(d["skeleton"], tensors), d["secs"],
             None if d["info"] is None else _uninfo(d["info"], tensors),
             None if d["bound"] is None else tuple(d["bound"]), d["changed"], d["stock"],
-            [(how, name, _tensor(r, tensors)) for how, name, r in d["writes"]],
+            [(how, name, FileBytes.of(r) if "f" in r else _tensor(r, tensors)) for how, name, r in d["writes"]],
         ))  # fmt: skip
     return out
+
+
+# -- a unit's encoded tensors through a file ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileBytes:
+    """A written tensor that another rank wrote at ``offset`` in its file ``file`` of the run's units directory
+    (:data:`~moecompress.engine.journal.UNITS`), for rank 0's writer to adopt
+    (:meth:`~moecompress.io.writer.ShardWriter.adopt`) instead of receiving its bytes."""
+
+    file: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @classmethod
+    def of(cls, ref: dict) -> FileBytes:
+        name = str(ref["f"])
+        if not name or Path(name).name != name:
+            raise RecipeError(f"a rank named the unit file {name!r}, not a file of the units directory")
+        return cls(name, int(ref["o"]), getattr(torch, ref["dtype"]), tuple(int(d) for d in ref["shape"]))
+
+
+@dataclass
+class UnitFiles:
+    """Rank ``rank``'s files in the units directory ``where``: one per written step of a unit, its tensors one
+    after another, written and closed before the unit's message goes (so rank 0, on this host or another that
+    sees the same file system, reads them whole)."""
+
+    where: Path
+    rank: int
+    count: int = 0
+
+    def write(self, tensors: list[torch.Tensor]) -> tuple[str, list[int]]:
+        """A new file holding ``tensors``: its name and each tensor's offset."""
+        name = f"r{self.rank}-{self.count:06d}.data"
+        self.count += 1
+        fd = os.open(self.where / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        offsets, off = [], 0
+        try:
+            for t in tensors:
+                offsets.append(off)
+                off += _pwrite(fd, t, off)
+        finally:
+            os.close(fd)
+        return name, offsets
+
+
+def _writes(writes: list, box: _Tensors, files: UnitFiles | None) -> list:
+    """A step part's written tensors in a message's header: references into the blob, or (``files``) where
+    they are in a new file of this rank's."""
+    real = [t for _, _, t in writes if t.device.type != "meta"]
+    if files is None or not real:
+        return [[how, name, box.ref(t)] for how, name, t in writes]
+    file, offsets = files.write(real)
+    where = iter(offsets)
+    return [
+        [how, name, box.ref(t) if t.device.type == "meta" else
+         {"f": file, "o": next(where), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}]
+        for how, name, t in writes
+    ]  # fmt: skip
+
+
+def unit_files(ranks: Ranks, staging: Path) -> UnitFiles | None:
+    """Every rank, once before the layer loop (rank 0 has made ``staging``): where ranks ``1..N-1`` write their
+    units' encoded tensors, or ``None`` (at world size 1, and when some rank does not see rank 0's staging
+    directory — another host without a shared file system —: the tensors then travel in the messages). Rank 0
+    makes the units directory; each other rank writes a probe of its own into it, and rank 0 reads it back."""
+    if ranks.world_size == 1:
+        return None
+    where = staging / UNITS
+    if ranks.is_writer:
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+    ranks.barrier()
+    token = b""
+    if not ranks.is_writer and where.is_dir():
+        token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}".encode()
+        try:
+            (where / f"probe-{ranks.rank}").write_bytes(token)
+        except OSError:
+            token = b""
+    tokens = ranks.all_gather_bytes(token)
+    seen = True
+    if ranks.is_writer:
+        for r, t in enumerate(tokens[1:], 1):
+            probe = where / f"probe-{r}"
+            seen = seen and bool(t) and probe.is_file() and probe.read_bytes() == t
+            probe.unlink(missing_ok=True)
+    return UnitFiles(where, ranks.rank) if ranks.from_writer(seen) and not ranks.is_writer else None

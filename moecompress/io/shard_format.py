@@ -25,24 +25,22 @@ _DTYPE_ORDER = (
 _RANK = {code: i for i, code in enumerate(_DTYPE_ORDER)}
 
 
+OWN = -1
+"""A byte range's file: the shard's own data file (else an adopted file's descriptor, ``ShardWriter.adopt``)."""
+
+
 @dataclass
 class _Entry:
     name: str
     dtype: str  # safetensors' code, e.g. "BF16"
     shape: list[int]  # the header's (logical) shape
-    start: int  # byte range in the data file
-    end: int
-    more: list[tuple[int, int]] = field(default_factory=list)
-    """further byte ranges of the data file holding the rest of the tensor, in order (a tensor written in
-    segments, :meth:`ShardWriter.append`); the tensor's size is the sum of every range."""
-
-    @property
-    def ranges(self) -> list[tuple[int, int]]:
-        return [(self.start, self.end), *self.more]
+    ranges: list[tuple[int, int, int]]
+    """the byte ranges ``(start, end, fd)`` holding the tensor, in order: ``fd`` is :data:`OWN` (the shard's
+    data file) or an adopted file's; several for a tensor written in segments (:meth:`ShardWriter.append`)"""
 
     @property
     def size(self) -> int:
-        return sum(b - a for a, b in self.ranges)
+        return sum(b - a for a, b, _ in self.ranges)
 
 
 @dataclass
@@ -50,17 +48,20 @@ class _Pending:
     """A tensor being written in segments: its dtype, the byte ranges written so far."""
 
     dtype: torch.dtype
-    ranges: list[tuple[int, int]] = field(default_factory=list)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
 class _Part:
-    """The unfinished shard: its data file (open for appending) and what it holds."""
+    """The unfinished shard: its data file (open for appending), what it holds, and the bytes it holds in
+    adopted files (``extra``; ``files``: their descriptors)."""
 
     data: Path
     fd: int
     entries: list[_Entry] = field(default_factory=list)
     size: int = 0
+    extra: int = 0
+    files: set[int] = field(default_factory=set)
 
 
 def _header_entry(name: str, dtype: torch.dtype, shape: Iterable[int], nbytes: int) -> tuple[str, list[int]]:

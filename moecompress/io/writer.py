@@ -14,6 +14,11 @@ writes the header (known only then) into the shard file and copies the data afte
 finished), not memory. The file is byte-identical to ``safetensors.torch.save_file`` on the same
 tensors: same header, padding and tensor order (by dtype, then name; see ``_DTYPE_ORDER``).
 safetensors (0.8) has no incremental writer, hence the format is written here (docs/format.md).
+
+Bytes another process wrote need not pass through this one (another rank's unit of a layer under
+``torchrun``, :mod:`moecompress.engine.shard`): :meth:`ShardWriter.adopt` takes its file, ``add_from`` and
+``append_from`` refer to byte ranges in it, and finishing the shard copies them as it copies the shard's own
+data file; the file is deleted once :meth:`ShardWriter.release` was called and its bytes are in a shard.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from moecompress.errors import CheckpointError, OutputExistsError
 from moecompress.io.reader import INDEX_NAME, SINGLE_NAME
 from moecompress.io.shard_format import (
     _RANK,
+    OWN,
     _Entry,
     _header_entry,
     _Part,
@@ -105,6 +111,14 @@ def _copy_range(src: int, dst: int, start: int, count: int, dst_off: int) -> Non
         start, dst_off, count = start + n, dst_off + n, count - n
 
 
+def _extend(pend: _Pending, a: int, b: int, fd: int) -> None:
+    """A segment ``[a, b)`` of file ``fd`` onto a pending tensor (one range with the last when contiguous)."""
+    if pend.ranges and pend.ranges[-1][1] == a and pend.ranges[-1][2] == fd:
+        pend.ranges[-1] = (pend.ranges[-1][0], b, fd)
+    else:
+        pend.ranges.append((a, b, fd))
+
+
 class ShardWriter:
     """Collects tensors and files for a checkpoint directory; see the module docstring."""
 
@@ -135,6 +149,9 @@ class ShardWriter:
         self._names: set[str] = set()
         self._total_size = 0
         self._pending: dict[str, _Pending] = {}
+        self._files: dict[str, int] = {}
+        """adopted files (path -> descriptor) whose bytes entries refer to"""
+        self._released: set[int] = set()
         self._done = False
 
     # -- tensors ---------------------------------------------------------------------------------
@@ -172,7 +189,7 @@ class ShardWriter:
         except BaseException:
             os.ftruncate(part.fd, start)  # drop what this tensor wrote; the shard stays as it was
             raise
-        self._record(part, _Entry(name, code, header_shape, start, start + size))
+        self._record(part, _Entry(name, code, header_shape, [(start, start + size, OWN)]))
 
     # -- tensors written in segments ---------------------------------------------------------------
     def append(self, name: str, piece: torch.Tensor) -> None:
@@ -195,10 +212,7 @@ class ShardWriter:
         start = part.size
         n = _pwrite(part.fd, piece, start)
         part.size = start + n
-        if pend.ranges and pend.ranges[-1][1] == start:  # contiguous with the last piece: one range
-            pend.ranges[-1] = (pend.ranges[-1][0], start + n)
-        else:
-            pend.ranges.append((start, start + n))
+        _extend(pend, start, start + n, OWN)
 
     def end(self, name: str, shape: Iterable[int], dtype: torch.dtype | None = None) -> None:
         """Finish tensor ``name`` (see :meth:`append`): its pieces must total exactly ``shape`` (a tensor
@@ -211,7 +225,7 @@ class ShardWriter:
             pend = _Pending(dtype)
         shape = [int(d) for d in shape]
         size = math.prod(shape) * torch.empty((), dtype=pend.dtype).element_size()
-        got = sum(b - a for a, b in pend.ranges)
+        got = sum(b - a for a, b, _ in pend.ranges)
         if got != size:
             raise CheckpointError(
                 f"tensor {name!r}: its pieces hold {got} bytes, {shape} {pend.dtype} needs {size}"
@@ -221,11 +235,76 @@ class ShardWriter:
         # pending and the shard is over ``max_shard_size``, and the entry would land in an empty shard)
         part = self._part if pend.ranges else self._part_for(0)
         assert part is not None
-        ranges = pend.ranges or [(part.size, part.size)]
-        entry = _Entry(name, code, header_shape, ranges[0][0], ranges[0][1], list(ranges[1:]))
-        part.entries.append(entry)
+        part.entries.append(_Entry(name, code, header_shape, pend.ranges or [(part.size, part.size, OWN)]))
         self._names.add(name)
         self._total_size += size
+
+    # -- tensors whose bytes another process wrote -------------------------------------------------
+    def adopt(self, path: str | Path) -> None:
+        """Take the file ``path`` (written and closed by another process, e.g. another rank's unit of a
+        layer) as a source of tensor bytes: :meth:`add_from` and :meth:`append_from` refer to byte ranges in
+        it, copied into the shard when the shard is finished, as the writer's own data file is. The writer
+        deletes the file once :meth:`release` said nothing more comes from it and every range is copied."""
+        key = str(path)
+        if key in self._files:
+            raise CheckpointError(f"{path} is adopted twice")
+        try:
+            self._files[key] = os.open(key, os.O_RDONLY)
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}, written by another process: {err.strerror}") from None
+
+    def add_from(self, name: str, dtype: torch.dtype, shape: Iterable[int], path: str | Path, offset: int) -> None:
+        """One tensor of ``dtype`` and ``shape`` whose bytes are at ``offset`` in the adopted file ``path``."""
+        self._check_name(name)
+        shape = [int(d) for d in shape]
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        code, header_shape = _header_entry(name, dtype, shape, size)
+        fd = self._source(path, offset, size, name)
+        part = self._part_for(size)
+        part.entries.append(_Entry(name, code, header_shape, [(offset, offset + size, fd)]))
+        part.extra += size
+        part.files.add(fd)
+        self._names.add(name)
+        self._total_size += size
+
+    def append_from(self, name: str, dtype: torch.dtype, path: str | Path, offset: int, nbytes: int) -> None:
+        """As :meth:`append`, with the piece's ``nbytes`` at ``offset`` in the adopted file ``path``."""
+        pend = self._pending.get(name)
+        if pend is None:
+            self._check_name(name)
+            pend = self._pending[name] = _Pending(dtype)
+        elif dtype != pend.dtype:
+            raise CheckpointError(f"tensor {name!r}: a piece is of dtype {dtype}, expected {pend.dtype}")
+        fd = self._source(path, offset, nbytes, name)
+        part = self._part_for(0)
+        _extend(pend, offset, offset + nbytes, fd)
+        part.extra += nbytes
+        part.files.add(fd)
+
+    def release(self, path: str | Path) -> None:
+        """Nothing more comes from the adopted file ``path``: it is deleted once its ranges are in a shard
+        (now, if the unfinished shard holds none of them)."""
+        fd = self._files.get(str(path))
+        if fd is None:
+            raise CheckpointError(f"{path} is not adopted")
+        if self._part is None or fd not in self._part.files:
+            self._close(str(path))
+        else:
+            self._released.add(fd)
+
+    def _source(self, path: str | Path, offset: int, nbytes: int, name: str) -> int:
+        fd = self._files.get(str(path))
+        if fd is None:
+            raise CheckpointError(f"tensor {name!r}: {path} is not adopted")
+        if offset < 0 or offset + nbytes > os.fstat(fd).st_size:
+            raise CheckpointError(f"tensor {name!r}: {path} holds no bytes {offset}..{offset + nbytes}")
+        return fd
+
+    def _close(self, path: str) -> None:
+        fd = self._files.pop(path)
+        self._released.discard(fd)
+        os.close(fd)
+        Path(path).unlink(missing_ok=True)
 
     def written(self, name: str) -> bool:
         """Whether tensor ``name`` was written (finished)."""
@@ -252,15 +331,15 @@ class ShardWriter:
 
     def _record(self, part: _Part, entry: _Entry) -> None:
         part.entries.append(entry)
-        part.size = entry.end
+        part.size = entry.ranges[-1][1]
         self._names.add(entry.name)
-        self._total_size += entry.end - entry.start
+        self._total_size += entry.size
 
     def make_room(self, nbytes: int) -> None:
         """Finish the current shard now if ``nbytes`` more would not fit in it."""
         if (
             self._part is not None and self._part.entries and not self._pending
-            and self._part.size + nbytes > self.max_shard_size
+            and self._part.size + self._part.extra + nbytes > self.max_shard_size
         ):  # fmt: skip
             self.flush()
 
@@ -289,8 +368,8 @@ class ShardWriter:
             if offset != len(header):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             for e in order:
-                for a, b in e.ranges:
-                    _copy_range(part.fd, dst, a, b - a, offset)
+                for a, b, fd in e.ranges:
+                    _copy_range(part.fd if fd == OWN else fd, dst, a, b - a, offset)
                     offset += b - a
         finally:
             os.close(dst)
@@ -299,6 +378,9 @@ class ShardWriter:
         self._shards.append([e.name for e in part.entries])
         self._part = None
         part.data.unlink()
+        for path, fd in list(self._files.items()):  # the released files: every byte of theirs is in a shard now
+            if fd in self._released:
+                self._close(path)
 
     def _drop_part(self) -> None:
         part, self._part = self._part, None
@@ -310,7 +392,7 @@ class ShardWriter:
     @property
     def buffered_bytes(self) -> int:
         """Bytes in the current, unfinished shard (on disk, not in memory)."""
-        return self._part.size if self._part is not None else 0
+        return self._part.size + self._part.extra if self._part is not None else 0
 
     def state(self) -> dict:
         """What is durably on disk (finished shards), for a journal."""
@@ -325,6 +407,8 @@ class ShardWriter:
         if not self.staged:
             raise CheckpointError("only a staged writer can be restored")
         self._drop_part()
+        for path in list(self._files):
+            self._close(path)
         self._shards = [list(n) for n in state["shards"]]
         self._names = {n for names in self._shards for n in names}
         self._total_size = int(state["total_size"])
@@ -376,8 +460,10 @@ class ShardWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        """Discard everything written so far (staged: only the unfinished shard)."""
+        """Discard everything written so far (staged: only the unfinished shard; adopted files go)."""
         self._drop_part()
+        for path in list(self._files):
+            self._close(path)
         if not self._done and not self.staged:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self._done = True
