@@ -224,7 +224,7 @@ def test_without_copy_file_range_the_shard_is_the_same(tmp_path, monkeypatch):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     tensors = _random_tensors(7, 30)
-    monkeypatch.setattr("moecompress.io.writer._COPY_CHUNK", 5)  # many short copies
+    monkeypatch.setattr("moecompress.io.shard_format._COPY_CHUNK", 5)  # many short copies
     monkeypatch.setattr(os, "copy_file_range", unsupported)
     with ShardWriter(tmp_path / "out") as w:
         w.add_many(tensors)

@@ -41,7 +41,9 @@ from moecompress.io.reader import INDEX_NAME, SINGLE_NAME
 from moecompress.io.shard_format import (
     _RANK,
     OWN,
+    _copy_range,
     _Entry,
+    _extend,
     _header_entry,
     _Part,
     _Pending,
@@ -89,34 +91,6 @@ def move_into_place(src: Path, dst: Path) -> None:
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-_COPY_CHUNK = 64 << 20
-
-
-def _copy_range(src: int, dst: int, start: int, count: int, dst_off: int) -> None:
-    """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``dst_off`` (in the kernel if it can)."""
-    while count > 0:
-        try:
-            n = os.copy_file_range(src, dst, min(count, _COPY_CHUNK), start, dst_off)
-        except OSError as err:  # no copy_file_range across these files: plain reads and writes
-            if err.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            n = 0
-        if n == 0:
-            block = os.pread(src, min(count, _COPY_CHUNK), start)
-            if not block:
-                raise CheckpointError("a shard's data file is shorter than its tensors")
-            n = os.pwrite(dst, block, dst_off)
-        start, dst_off, count = start + n, dst_off + n, count - n
-
-
-def _extend(pend: _Pending, a: int, b: int, fd: int) -> None:
-    """A segment ``[a, b)`` of file ``fd`` onto a pending tensor (one range with the last when contiguous)."""
-    if pend.ranges and pend.ranges[-1][1] == a and pend.ranges[-1][2] == fd:
-        pend.ranges[-1] = (pend.ranges[-1][0], b, fd)
-    else:
-        pend.ranges.append((a, b, fd))
 
 
 class ShardWriter:
