@@ -349,3 +349,61 @@ def test_an_adopted_file_too_short_or_missing_is_one_line_and_abort_deletes_it(t
         assert not w.written("x")
         w.add_from("x", torch.float32, [4], path, 0)
     assert not path.exists() and not (tmp_path / "out").exists()
+
+
+def test_punch_drops_exactly_the_range_it_is_given(tmp_path):
+    """A scratch file's copied bytes are punched out (read as zeros); the bytes around them, in the same
+    4 KiB blocks too, stay. Where the file system cannot punch, ``_punch`` says so and changes nothing."""
+    import os
+    import sys
+
+    from moecompress.io.shard_format import _fallocate, _punch
+
+    data = bytes(random.Random(3).getrandbits(8) for _ in range(3 * 4096 + 123))
+    path = tmp_path / "scratch.data"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        a, b = 1000, 2 * 4096 + 77  # a whole block inside, partial blocks at both ends
+        punched = _punch(fd, a, b - a)
+        assert not _punch(fd, 5, 0)
+    finally:
+        os.close(fd)
+    got = path.read_bytes()
+    assert len(got) == len(data)
+    if sys.platform.startswith("linux"):
+        assert _fallocate() is not None
+    want = data[:a] + bytes(b - a) + data[b:] if punched else data
+    assert got == want
+
+
+def test_every_copied_range_is_punched_once_after_it_is_copied(tmp_path, monkeypatch):
+    """Finishing a shard punches each range of its data file and of its adopted files out once, after the
+    range is in the shard (the shard stays save_file's)."""
+    from moecompress.io import writer as writer_mod
+    from moecompress.io.shard_format import _punch
+
+    calls = []
+
+    def spy(fd, start, count):
+        calls.append((fd, start, count))
+        return _punch(fd, start, count)
+
+    monkeypatch.setattr(writer_mod, "_punch", spy)
+    tensors = _random_tensors(5, 30)
+    names = list(tensors)
+    path = tmp_path / "unit.data"
+    offs = _other_process_file(path, [tensors[n] for n in names[:10]])
+    with ShardWriter(tmp_path / "out") as w:
+        w.adopt(path)
+        for n, o in zip(names[:10], offs, strict=True):
+            w.add_from(n, tensors[n].dtype, tensors[n].shape, path, o)
+        w.release(path)
+        for n in names[10:]:
+            w.add(n, tensors[n])
+        out = w.commit()
+    assert (out / "model.safetensors").read_bytes() == _reference(tensors, tmp_path / "ref.safetensors")
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    assert sorted(c for _, _, c in calls if c) == sorted(s for s in sizes if s)
+    real = [c for c in calls if c[2]]  # empty tensors share offsets
+    assert len(set(real)) == len(real) and len({fd for fd, _, _ in real}) == 2

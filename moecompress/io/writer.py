@@ -10,8 +10,9 @@ otherwise ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.js
 carries the metadata ``{"format": "pt"}``. A shard is never held in memory: each tensor's bytes are
 appended to the shard's data file (``part-NNNNN.data``) when it is added, and :meth:`ShardWriter.flush`
 writes the header (known only then) into the shard file and copies the data after it in the kernel
-(``os.copy_file_range``). So ``max_shard_size`` costs disk (a shard exists twice while it is
-finished), not memory. The file is byte-identical to ``safetensors.torch.save_file`` on the same
+(``os.copy_file_range``), punching each copied range out of the data file (``_punch``: its dirty pages are
+dropped, not written back). So ``max_shard_size`` costs disk (a shard exists twice while it is finished), not
+memory. The file is byte-identical to ``safetensors.torch.save_file`` on the same
 tensors: same header, padding and tensor order (by dtype, then name; see ``_DTYPE_ORDER``).
 safetensors (0.8) has no incremental writer, hence the format is written here (docs/format.md).
 
@@ -47,6 +48,7 @@ from moecompress.io.shard_format import (
     _header_entry,
     _Part,
     _Pending,
+    _punch,
     _pwrite,
     safetensors_header,
 )
@@ -223,7 +225,10 @@ class ShardWriter:
         if key in self._files:
             raise CheckpointError(f"{path} is adopted twice")
         try:
-            self._files[key] = os.open(key, os.O_RDONLY)
+            try:
+                self._files[key] = os.open(key, os.O_RDWR)  # writable: its copied ranges are punched (_punch)
+            except PermissionError:
+                self._files[key] = os.open(key, os.O_RDONLY)
         except OSError as err:
             raise CheckpointError(f"cannot read {path}, written by another process: {err.strerror}") from None
 
@@ -343,7 +348,9 @@ class ShardWriter:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             for e in order:
                 for a, b, fd in e.ranges:
-                    _copy_range(part.fd if fd == OWN else fd, dst, a, b - a, offset)
+                    src = part.fd if fd == OWN else fd
+                    _copy_range(src, dst, a, b - a, offset)
+                    _punch(src, a, b - a)  # copied: the scratch bytes need never reach the disk
                     offset += b - a
         finally:
             os.close(dst)
