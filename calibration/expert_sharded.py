@@ -11,9 +11,10 @@ owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks
 3. every rank routes every batch in batch order and records what belongs to no expert (``on_input``,
    ``on_route``): the same values on every rank, those of one process;
 4. in round ``j`` the ranks hold chunks ``jN .. jN+N-1``; per batch each makes its chunk's weighted expert
-   outputs (:func:`~moecompress.reference.expert_terms`; its collector sees its experts), the terms are
-   all-gathered (safetensors, no pickle), and every rank adds every chunk's terms in chunk order, which is
-   expert order, to the batch's fp32 accumulators: the additions of one process, bit for bit;
+   outputs (:func:`~moecompress.reference.expert_terms`; its collector sees its experts), the terms of a
+   group of consecutive batches are all-gathered at once (:func:`batch_groups`; safetensors, no pickle), and
+   every rank adds every chunk's terms in chunk order, which is expert order, to each batch's fp32
+   accumulators: the additions of one process, bit for bit;
 5. rank 0 finishes every batch (shared expert, ``on_output``), the others their own; each rank returns
    ``h1_b + moe_b`` for its own batches;
 6. per-expert statistics reach rank 0, which keeps the layer's: spilled covariances
@@ -49,6 +50,42 @@ loop in :func:`moecompress.engine.units.unit_size`): each rank holds half its sh
 at Qwen3-30B widths, 2 ranks: per-rank peak 0.66 → 0.59 of one process's, `benchmarks/RESULTS.md`)."""
 
 
+GATHER_BYTES = 64 << 20
+"""What one all-gather of expert terms carries at most per rank (estimated; a batch whose terms are larger goes
+alone). A batch's work differs by rank (its tokens' routing to each rank's experts), so a gather per batch made
+each rank wait for the slower one batch by batch: a group of batches per gather waits once for the group (heapr,
+Qwen3-30B widths, 2 ranks: calibration's waits in the gathers 1.3 -> s per 2 layers, `benchmarks/RESULTS.md`)."""
+
+
+def batch_groups(tokens: list[int], row_bytes: int, world: int, budget: int | None = None) -> list[list[int]]:
+    """Consecutive batches (``tokens[b]`` tokens each) in groups whose terms, ``tokens · row_bytes / world``
+    bytes per rank, stay within ``budget`` (default :data:`GATHER_BYTES`; a batch above it alone). Every rank
+    computes the same groups from the batches' shapes, which every rank has: the gathers match."""
+    budget = GATHER_BYTES if budget is None else budget
+    groups: list[list[int]] = []
+    held = budget + 1
+    for b, t in enumerate(tokens):
+        size = t * row_bytes // max(world, 1)
+        if held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(b)
+        held += size
+    return groups
+
+
+def _gathered(group, blob: bytes, batches: list[int]) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Every rank's terms of ``batches`` (:func:`_terms_blob` / :func:`_grad_blob`), by rank, then batch."""
+    out = []
+    for got in group.all_gather_bytes(blob):
+        by_batch: dict[int, dict[str, torch.Tensor]] = {b: {} for b in batches}
+        for key, v in load(got).items():
+            b, _, rest = key.partition(":")
+            by_batch[int(b)][rest] = v
+        out.append(by_batch)
+    return out
+
+
 def default_size(ckpt, world: int) -> int:
     """Experts per chunk of a layer the run does not chunk: ``ceil(E / (N · UNITS_PER_RANK))``."""
     return -(-int(ckpt.adapter.num_experts) // (world * UNITS_PER_RANK))
@@ -67,18 +104,19 @@ def shardable(needs, on_layer, ckpt, i: int) -> bool:
     return on_layer is None and i not in ckpt.layouts and not (set(needs) & NOT_SHARDED)
 
 
-def _terms_blob(terms: list[Term]) -> bytes:
+def _terms_blob(terms: dict[int, list[Term]]) -> bytes:
+    """A group's terms by batch (``{b: terms}``) as safetensors (``"b:expert.space"``)."""
     out = {}
-    for t in terms:
-        out[f"{t.expert}.{t.space}"] = t.part.cpu()
-        if t.bias is not None:
-            out[f"{t.expert}.bias"] = t.bias.cpu()
+    for b, ts in terms.items():
+        for t in ts:
+            out[f"{b}:{t.expert}.{t.space}"] = t.part.cpu()
+            if t.bias is not None:
+                out[f"{b}:{t.expert}.bias"] = t.bias.cpu()
     return save(out)
 
 
-def _add_blob(blob: bytes, phys: torch.Tensor, out: torch.Tensor, acc: dict, dev: torch.device) -> None:
-    """Add a rank's terms (:func:`_terms_blob`) in expert order, as :func:`expert_terms` made them."""
-    got = load(blob)
+def _add_blob(got: dict[str, torch.Tensor], phys: torch.Tensor, out: torch.Tensor, acc: dict, dev: torch.device) -> None:
+    """Add a rank's terms of one batch (:func:`_gathered`) in expert order, as :func:`expert_terms` made them."""
     experts: dict[int, dict[str, torch.Tensor]] = {}
     for key, v in got.items():
         q, _, kind = key.partition(".")
@@ -129,24 +167,30 @@ def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, ho
             outs[b] = torch.zeros(us[b].shape, dtype=torch.float32, device=dev)
             accs[b] = {"out": outs[b]}
         chunks = len(layer.ranges)
+        row = layer.shell.router.top_k * us[0].shape[-1] * 4 if us else 0  # a term's row: H fp32
+        groups = batch_groups([u.shape[0] for u in us], row, world)
         for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
             k = j * world + rank
             first, bank = layer.chunk(k, check=True) if k < chunks else (0, None)
-            for b, u in enumerate(us):
-                terms = []
-                if bank is not None:
-                    col.mode = "holdout" if holdout[b] else "stats"
-                    u = u.to(dev)
-                    col.resume_batch(states[b], u)
-                    terms = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
-                blobs = group.all_gather_bytes(_terms_blob(terms))
-                if b in outs:
-                    for r, blob in enumerate(blobs):
+            for batches in groups:
+                terms: dict[int, list[Term]] = {b: [] for b in batches}
+                for b in batches:
+                    if bank is not None:
+                        col.mode = "holdout" if holdout[b] else "stats"
+                        u = us[b].to(dev)
+                        col.resume_batch(states[b], u)
+                        terms[b] = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
+                got = _gathered(group, _terms_blob(terms), batches)
+                for b in batches:
+                    if b not in outs:
+                        continue
+                    for r in range(world):
                         if r == rank:
-                            for t in terms:
+                            for t in terms[b]:
                                 add_term(t, outs[b], accs[b])
                         else:
-                            _add_blob(blob, phys[b], outs[b], accs[b], dev)
+                            _add_blob(got[r][b], phys[b], outs[b], accs[b], dev)
+                del terms, got
             bank = None
             if save_experts is not None:
                 _spilled(group, layer, col, save_experts, i, j)
@@ -204,17 +248,19 @@ def _expert_rows(group, layer: ChunkedLayer, col) -> None:
                 col.put_expert_rows(e, e + 1, load(group.recv_bytes(owner)))
 
 
-def _grad_blob(terms: list[mb.GradTerm]) -> bytes:
+def _grad_blob(terms: dict[int, list[mb.GradTerm]]) -> bytes:
+    """A group's gradient terms by batch (``{b: terms}``) as safetensors (``"b:expert.x"``, ``"b:expert.w"``)."""
     out = {}
-    for t in terms:
-        out[f"{t.expert}.x"], out[f"{t.expert}.w"] = t.x.cpu(), t.w.cpu()
+    for b, ts in terms.items():
+        for t in ts:
+            out[f"{b}:{t.expert}.x"], out[f"{b}:{t.expert}.w"] = t.x.cpu(), t.w.cpu()
     return save(out)
 
 
-def _add_grad_blob(blob: bytes, p: mb.Pending, dev: torch.device) -> None:
-    """Add a rank's terms (:func:`_grad_blob`) in expert order, as :func:`~.moe_backward.expert_grad_terms`
-    made them (their rows follow from the batch's routing, the same on every rank)."""
-    got = load(blob)
+def _add_grad_blob(got: dict[str, torch.Tensor], p: mb.Pending, dev: torch.device) -> None:
+    """Add a rank's terms of one batch (:func:`_gathered`) in expert order, as
+    :func:`~.moe_backward.expert_grad_terms` made them (their rows follow from the batch's routing, the same on
+    every rank)."""
     for q in sorted({int(key.partition(".")[0]) for key in got}):
         tok, slot = torch.where(p.phys == q)
         mb.add_grad_term(mb.GradTerm(q, tok, slot, got[f"{q}.x"].to(dev), got[f"{q}.w"].to(dev)), p)
@@ -255,24 +301,30 @@ def backward_layer(skel, i: int, size: int, group, inputs: list, kwargs: list, g
     mod = None  # not held while the chunks are: read again for the last recomputation
     own = {mine[k] for k in grads}
     order = sorted(us)
+    tokens = {b: int(us[b].shape[0]) for b in order}
+    us_width = int(us[order[0]].shape[-1]) if order else 0
     pend = {b: mb.open_batch(layer, us[b], gs[b], col if rank == 0 else None, dev, finish=b in own) for b in order}
     del us, gs
     chunks = len(layer.ranges)
+    row = layer.shell.router.top_k * (us_width + 1) * 4  # a term's row: x (H fp32) and w (fp32)
+    groups = [[order[b] for b in g] for g in batch_groups([tokens[b] for b in order], row, world)]
     for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
         k = j * world + rank
         first, bank = layer.chunk(k, check=False) if k < chunks else (0, None)
-        for b in order:
-            p = pend[b]
-            terms = mb.chunk_terms(bank, first, p, col, dev) if bank is not None else []
-            blobs = group.all_gather_bytes(_grad_blob(terms))
-            if p.gu is not None:
-                for r, blob in enumerate(blobs):
+        for batches in groups:
+            terms = {b: mb.chunk_terms(bank, first, pend[b], col, dev) if bank is not None else [] for b in batches}
+            got = _gathered(group, _grad_blob(terms), batches)
+            for b in batches:
+                p = pend[b]
+                if p.gu is None:
+                    continue
+                for r in range(world):
                     if r == rank:
-                        for t in terms:
+                        for t in terms[b]:
                             mb.add_grad_term(t, p)
                     else:
-                        _add_grad_blob(blob, p, dev)
-            del terms, blobs
+                        _add_grad_blob(got[r][b], p, dev)
+            del terms, got
         bank = None
     _expert_rows(group, layer, col)
     for b in order:

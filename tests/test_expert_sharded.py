@@ -228,3 +228,37 @@ def test_shardable_rules(tmp_path):
     assert expert_sharded.shardable({"expert_in_cov"}, None, ckpt, 0)
     assert not expert_sharded.shardable({"down_in_cov_pooled"}, None, ckpt, 0)
     assert not expert_sharded.shardable({"expert_in_cov"}, lambda *a: None, ckpt, 0)
+
+
+def test_batch_groups_keep_each_gather_within_its_budget():
+    """Consecutive batches share a gather while their terms (``tokens · row / world`` bytes) fit the budget; a
+    batch larger than it goes alone; every rank gets the same groups from the same shapes."""
+    groups = expert_sharded.batch_groups
+    assert groups([10, 10, 10, 50, 5], 4, 2, budget=40) == [[0, 1], [2], [3], [4]]
+    assert groups([10, 10, 10], 4, 2, budget=0) == [[0], [1], [2]]
+    assert groups([10, 10, 10], 4, 2, budget=10**9) == [[0, 1, 2]]
+    assert groups([], 4, 2) == []
+
+
+def test_terms_gathered_by_groups_of_batches_keep_one_process_bits(tmp_path, monkeypatch):
+    """A gather per batch (budget 0) or one per round of chunks (the default: this model's batches fit in it):
+    rank 0's forward and gradient statistics are one process's bits either way, and the default gathers
+    fewer times (the ranks wait for each other once per group, not per batch)."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
+    needs = {"act_sq_mean", "expert_in_cov", "grad_sq_mean", "out_grad_cov"} | ALWAYS
+    want = _calibrate(tmp_path / "m", needs)
+    counts, gather, default = {}, QueueRanks.all_gather_bytes, expert_sharded.GATHER_BYTES
+    for b in (0, None):
+        monkeypatch.setattr(expert_sharded, "GATHER_BYTES", default if b is None else b)
+        calls: list[int] = []
+
+        def counted(self, blob, calls=calls):
+            calls.append(1)
+            return gather(self, blob)
+
+        monkeypatch.setattr(QueueRanks, "all_gather_bytes", counted)
+        (fwd, bwd, _), _ = _two_ranks(tmp_path / "m", needs)
+        _equal(fwd, want[0])
+        _equal(bwd, want[1])
+        counts[b] = len(calls)
+    assert counts[None] < counts[0]
