@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moecompress.engine.distributed import Ranks
+from moecompress.engine.distributed import Ranks, Sending
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class QueueRanks(Ranks):
 
     def send_bytes(self, blob: bytes, dst: int) -> None:
         self._q("p", self.rank, dst).put(blob)
+
+    def isend_bytes(self, blob: bytes, dst: int) -> Sending:
+        self.send_bytes(blob, dst)  # a queue never blocks the sender
+        return Sending(self, [], [])
 
     def recv_bytes(self, src: int) -> bytes:
         return self._q("p", src, self.rank).get(timeout=120)

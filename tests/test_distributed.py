@@ -543,6 +543,59 @@ def test_chunk_parts_travel_as_bytes_unchanged(model):
         chunk_wire.decode(*chunk_wire.encode_error(PassError("step 2 (rtn), layer 0: broken")))
 
 
+# rank 1 sends three messages through an Outbox and only then lets rank 0 receive (a marker file): with
+# blocking sends it would wait forever; then a step's error, raised on rank 1 and sent to rank 0
+OUTBOX = r"""
+import os, sys, time
+from pathlib import Path
+from moecompress.engine import distributed, shard
+from moecompress.errors import PassError
+marker = Path(sys.argv[1])
+ranks = distributed.start(distributed.Launch.from_env(os.environ), "cpu")
+if ranks.rank == 1:
+    out = shard.Outbox(ranks)
+    for k in range(3):
+        out.send(lambda: (f"head{k}".encode(), bytes([k]) * (1000 * k)))
+        if k == 0:
+            marker.write_text("sent")
+    def broken():
+        raise PassError("step 1 (rtn), layer 0: broken")
+    try:
+        out.send(broken)
+    except PassError:
+        print("RAISED", flush=True)
+    out.wait()
+else:
+    for _ in range(600):
+        if marker.exists():
+            break
+        time.sleep(0.1)
+    print("MARKER", marker.exists(), flush=True)
+    for k in range(3):
+        head, blob = shard.receive(ranks, 1)
+        assert head == f"head{k}".encode() and bytes(blob.numpy()) == bytes([k]) * (1000 * k), k
+    try:
+        shard.decode(*shard.receive(ranks, 1))
+    except PassError as err:
+        print("GOT", err, flush=True)
+distributed.stop(ranks)
+"""
+
+
+def test_a_rank_works_on_while_rank_0_has_yet_to_receive_its_message(tmp_path):
+    """``shard.Outbox`` over gloo: rank 1's send returns before rank 0 receives (gloo's own send waits for
+    the receive), messages arrive in order, and an error raised while making one reaches rank 0 as itself."""
+    port, procs = _port(), []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-c", OUTBOX, str(tmp_path / "sent")]
+        procs.append(subprocess.Popen(cmd, env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], (err0[-500:], err1[-500:])
+    assert "MARKER True" in out0 and "GOT step 1 (rtn), layer 0: broken" in out0
+    assert "RAISED" in out1
+
+
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
 def test_codequant_kmeans_rotated_sharded_by_experts_is_byte_identical(model):
     """codequant k-means only (exact by chunks) with a rotation: the layers are shared out by chunks (rank 1

@@ -6,10 +6,11 @@ reads the non-MoE tensors, writes, journals and renames. For an MoE layer held b
 (:mod:`moecompress.engine.layer_run`) it first broadcasts a *command* (the layer, the chunk size, the
 written steps); chunk ``k`` is then worked (:func:`~moecompress.engine.unit_work.chunk_parts`: reading,
 dequantising, every step, the error contributions, the encoding) by rank ``k mod N``. Each other rank
-sends its chunks' parts to rank 0 (the wire below: safetensors and JSON), which
-consumes every chunk in chunk order exactly as it consumes its own, so the output is the one process's,
-byte for byte. A written step's encoded tensors (most of a chunk's bytes) go instead into a file of the other
-rank's in the staging directory's ``units/`` when rank 0 can read it there (:func:`unit_files`), and rank 0's
+sends its chunks' parts to rank 0 (the wire below: safetensors and JSON), working its next chunk while rank 0
+has yet to receive them (:class:`Outbox`: one message in flight); rank 0 consumes every chunk in chunk order
+exactly as it consumes its own, so the output is the one process's, byte for byte. A written step's encoded
+tensors (most of a chunk's bytes) go instead into a file of the other rank's in the staging directory's
+``units/`` when rank 0 can read it there (:func:`unit_files`), and rank 0's
 writer adopts the file (:meth:`~moecompress.io.writer.ShardWriter.adopt`): they are neither sent nor written
 twice. When rank 0 is done it broadcasts a stop; the other ranks then return.
 
@@ -53,7 +54,7 @@ from safetensors.torch import load, save
 from moecompress import errors
 from moecompress.engine import chunks
 from moecompress.engine.context import RunContext
-from moecompress.engine.distributed import Ranks
+from moecompress.engine.distributed import Ranks, Sending
 from moecompress.engine.group_work import CHOICES, owned, trial, unit_parts
 from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
@@ -111,7 +112,7 @@ def share_choice(ranks: Ranks, dec) -> None:
 
 
 def _follow_grouped(
-    ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set[int], files: UnitFiles | None = None
+    ranks: Ranks, lp: LayerPlan, size: int, g: int, written: set[int], files: UnitFiles | None, out: Outbox
 ) -> int:
     """Ranks ``1..N-1`` on a merge's layer by units of groups: their units' results to rank 0 (both passes);
     returns the units worked."""
@@ -119,29 +120,48 @@ def _follow_grouped(
     units = list(owned(dec.units(size), ranks.rank, ranks.world_size))
     if dec.sweeps == 2:
         for lo, hi in units:
-            _send(ranks, lambda: encode([StepPart(g, lo, None, 0.0, trial(lp, g, lo, hi))], steps))  # noqa: B023
+            out.send(lambda: encode([StepPart(g, lo, None, 0.0, trial(lp, g, lo, hi))], steps))  # noqa: B023
+        out.wait()
         share_choice(ranks, dec)
     for lo, hi in units:
-        _send(ranks, lambda: encode(unit_parts(lp, g, lo, hi, g in written), steps, files))  # noqa: B023
+        out.send(lambda: encode(unit_parts(lp, g, lo, hi, g in written), steps, files))  # noqa: B023
         worked += 1
         release_freed()
     return worked
 
 
-def _send(ranks: Ranks, make: Callable[[], tuple[bytes, bytes]]) -> None:
-    try:
-        head, blob = make()
-    except MoecompressError as err:
-        head, blob = encode_error(err)
-        ranks.send_bytes(head, 0)
-        ranks.send_bytes(blob, 0)
-        raise
-    ranks.send_bytes(head, 0)
-    ranks.send_bytes(blob, 0)
+class Outbox:
+    """A rank's messages to rank 0 with at most one in flight: the rank works its next unit while rank 0 has
+    yet to receive the last (a blocking send waited for rank 0 to reach its receive, unit by unit:
+    :meth:`~moecompress.engine.distributed.Ranks.isend_bytes`). :meth:`wait` before any collective."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self._flying: list[Sending] = []
+
+    def send(self, make: Callable[[], tuple[bytes, bytes]]) -> None:
+        """Send ``make()``'s message once the last one is received; an error ``make`` raises is sent, then
+        raised here."""
+        try:
+            head, blob = make()
+        except MoecompressError as err:
+            self.wait()
+            head, blob = encode_error(err)
+            self.ranks.send_bytes(head, 0)
+            self.ranks.send_bytes(blob, 0)
+            raise
+        self.wait()
+        self._flying = [self.ranks.isend_bytes(head, 0), self.ranks.isend_bytes(blob, 0)]
+
+    def wait(self) -> None:
+        """Until rank 0 has received every message sent."""
+        for sending in self._flying:
+            sending.wait()
+        self._flying = []
 
 
 def receive(ranks: Ranks, src: int) -> tuple[bytes, torch.Tensor]:
-    """The next message rank ``src`` sends (:func:`_send`): its header, then its tensors' safetensors bytes
+    """The next message rank ``src`` sends (:meth:`Outbox.send`): its header, then its tensors' safetensors bytes
     (a uint8 tensor: :func:`decode` views the tensors in it)."""
     head = ranks.recv_bytes(src)
     return head, ranks.recv_buffer(src)
@@ -165,7 +185,9 @@ def follow(
     plans: dict | None = None
     layers = worked = 0
     peak = rss_mb()
+    out = Outbox(ranks)
     while True:
+        out.wait()  # rank 0 has received this layer's units before it sends the next command
         cmd = _command(ranks, steps, [])
         idx, size, count = cmd[:3]
         if idx == STOP:
@@ -178,14 +200,14 @@ def follow(
         written = set(cmd[3 : 3 + count])
         grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
         if grouped:  # a merge by units of groups (group_work)
-            worked += _follow_grouped(ranks, lp, size, grouped[0], written, files)
+            worked += _follow_grouped(ranks, lp, size, grouped[0], written, files, out)
             peak = max(peak, rss_mb())
             layers += 1
             del lp
             continue
         for k, (a, b) in enumerate(chunks.bounds(lp.shells[0].router.num_experts, size)):
             if k % ranks.world_size == ranks.rank:
-                serve(ranks, lp, a, b, written, files)
+                serve(lp, a, b, written, files, out)
                 worked += 1
                 peak = max(peak, rss_mb())
                 release_freed()
@@ -201,12 +223,10 @@ def _check_entry(ranks: Ranks, entry: Path | None, needs_stats: bool) -> None:
         )
 
 
-def serve(
-    ranks: Ranks, lp: LayerPlan, a: int, b: int, written: set[int], files: UnitFiles | None = None
-) -> None:
-    """Experts ``[a, b)`` of ``lp``'s layer worked here and sent to rank 0 (an error a pass raises is sent
-    too, then raised here); ``files``: see :func:`follow`."""
-    _send(ranks, lambda: encode(chunk_parts(lp, a, b, written), lp.steps, files))
+def serve(lp: LayerPlan, a: int, b: int, written: set[int], files: UnitFiles | None, out: Outbox) -> None:
+    """Experts ``[a, b)`` of ``lp``'s layer worked here and sent to rank 0 through ``out`` (an error a pass raises
+    is sent too, then raised here); ``files``: see :func:`follow`."""
+    out.send(lambda: encode(chunk_parts(lp, a, b, written), lp.steps, files))
 
 
 # -- the wire ------------------------------------------------------------------------------------------
