@@ -44,7 +44,12 @@ class Ragged(Layout):
                     f"Ragged widths (sum {total}, max {wmax}) do not fit rows {tuple(self.rows.shape)} "
                     f"and width {self.width}"
                 )
-        object.__setattr__(self, "_offsets", torch.cat([self.widths.new_zeros(1), self.widths.cumsum(0)]))
+        if self.widths.device.type == "meta":  # shapes only; a meta cumsum's first call costs 0.6-1.1 s (torch's
+            # Python meta kernels load): every heapr dry run paid it, on every rank (benchmarks/distributed.py --py-spy)
+            offsets = torch.empty(self.widths.shape[0] + 1, dtype=self.widths.dtype, device="meta")
+        else:
+            offsets = torch.cat([self.widths.new_zeros(1), self.widths.cumsum(0)])
+        object.__setattr__(self, "_offsets", offsets)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, keep: list[torch.Tensor], axis: str) -> Ragged:
