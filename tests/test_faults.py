@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 import moecompress as mc
+import moecompress.engine.run as run_mod
 from moecompress.calibration.cache import load_layer
 from moecompress.cli import main
 from moecompress.engine import resources
@@ -168,6 +169,26 @@ def test_disk_full_while_writing_is_one_line_and_resume_continues(tmp_path, mode
     res = mc.apply(rec, resume=True, progress=False)
     clean = mc.apply({**rec, "output": str(tmp_path / "clean")}, progress=False)
     assert _hashes(res.output_dir) == _hashes(clean.output_dir) and len(_hashes(clean.output_dir)) > 1
+
+
+def test_a_disk_full_in_the_final_commit_is_one_line_while_the_reports_are_drawn(tmp_path, model, monkeypatch):
+    """The shards are finished in a thread while the step reports are drawn (``RecipeRun.finish``): its
+    error is the run's, one line, and nothing reaches the output path."""
+    import errno
+
+    from moecompress.io.writer import ShardWriter
+
+    drawn = []
+    real = run_mod.write_step_report
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.out_dir))
+
+    monkeypatch.setattr(ShardWriter, "commit", full)
+    monkeypatch.setattr(run_mod, "write_step_report", lambda *a, **k: drawn.append(1) or real(*a, **k))
+    with pytest.raises(WriteError, match="No space left on device") as err:
+        mc.apply(_rec(model, tmp_path / "out"), progress=False)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists() and drawn
 
 
 def test_a_read_only_output_location_is_refused_before_calibration(tmp_path, model, small_tmpfs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -182,8 +183,14 @@ class RecipeRun:
         return steps, warnings
 
     def finish(self, calib: dict, started: float, dry: dict) -> dict:
-        self._write_checkpoint_files()
-        steps, warnings = self._step_reports()
+        # The shards' copies run in the kernel without the GIL: a thread finishes them while this one draws
+        # the step reports' plots (heapr, 2 Qwen3-30B layers: 0.6-1.4 s of copying, 0.8 s of reports).
+        with ThreadPoolExecutor(1, thread_name_prefix="moecompress-commit") as pool:
+            shards = pool.submit(self._write_checkpoint_files)
+            try:
+                steps, warnings = self._step_reports()
+            finally:
+                shards.result()  # waits; a failed commit (a full disk) is the error to report
         calib = {**calib, "entry": Path(calib["entry"]).name} if "entry" in calib else calib
         run = {  # no local absolute paths: reports and cards travel (push)
             "recipe": public_recipe(self.rec.to_dict()),
