@@ -57,7 +57,7 @@ rep = apply(sys.argv[1], launch=Launch.from_env(os.environ), progress=False).rep
 loop = rep["layer_loop"]["peak_rss_mb"] if "layer_loop" in rep else rep.get("peak_rss_mb", 0)
 u = resource.getrusage(resource.RUSAGE_SELF)
 print("BENCH " + json.dumps({"peak": peak_rss_bytes(), "cpu": u.ru_utime + u.ru_stime,
-                             "loop_peak": loop * 2**20}), flush=True)
+                             "loop_peak": loop * 2**20, "units": rep.get("layer_loop", {}).get("chunks")}), flush=True)
 """
 """Peak RSS is ``VmHWM`` (this process's own high-water mark): Linux keeps ``ru_maxrss`` across ``fork`` and
 ``exec``, so it would report the benchmark's own peak (building the checkpoint) when that is larger. The
@@ -123,7 +123,8 @@ def launch(recipe: Path, world: int, spy: Path | None = None) -> dict:
     wall = time.perf_counter() - t0
     return {"wall_s": round(wall, 2), "peak_gib": [round(r["peak"] / GiB, 2) for r in ranks],
             "loop_peak_gib": [round(r["loop_peak"] / GiB, 2) for r in ranks],
-            "cpu_s": [round(r["cpu"], 1) for r in ranks]}  # fmt: skip
+            "cpu_s": [round(r["cpu"], 1) for r in ranks],
+            "units_worked": [r.get("units") for r in ranks]}  # fmt: skip
 
 
 def _digest(out: Path) -> str:

@@ -54,7 +54,8 @@ GATHER_BYTES = 64 << 20
 """What one all-gather of expert terms carries at most per rank (estimated; a batch whose terms are larger goes
 alone). A batch's work differs by rank (its tokens' routing to each rank's experts), so a gather per batch made
 each rank wait for the slower one batch by batch: a group of batches per gather waits once for the group (heapr,
-Qwen3-30B widths, 2 ranks: calibration's waits in the gathers 1.3 -> s per 2 layers, `benchmarks/RESULTS.md`)."""
+Qwen3-30B widths, 2 ranks, 2 layers, py-spy: both ranks' seconds in calibration's gathers 4.5 -> 4.2; the rest is
+the ranks' imbalance per round of chunks, `benchmarks/RESULTS.md`)."""
 
 
 def batch_groups(tokens: list[int], row_bytes: int, world: int, budget: int | None = None) -> list[list[int]]:

@@ -25,11 +25,11 @@ from safetensors.torch import load, save
 from tiny import save_tiny
 
 import moecompress as mc
-from moecompress.calibration.expert_sharded import UNITS_PER_RANK
 from moecompress.calibration.stats import StatsCollector
 from moecompress.engine.distributed import Launch
 from moecompress.engine.journal import UNITS
 from moecompress.engine.spec import Chunking, PassConfig, PassSpec
+from moecompress.engine.units import LOOP_UNITS_PER_RANK
 from moecompress.errors import Interrupted, PassError, RecipeError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.reference import moe_forward
@@ -425,23 +425,28 @@ DATA_FREE = {"source": "none"}
 
 @pytest.mark.slow  # 2 gloo ranks (~20 s, mostly two interpreters starting); the in-process test below is fast
 def test_rtn_sharded_by_experts_is_byte_identical(model):
-    """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 · UNITS_PER_RANK units,
+    """Data-free rtn (no calibration): each of the 2 MoE layers is split in 2 · LOOP_UNITS_PER_RANK units,
     rank 1 works every other one."""
-    _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2 * UNITS_PER_RANK, calibration=DATA_FREE)
+    _compare_sharded(model, "rs", [{"rtn": {"bits": 4, "group_size": 16}}], served=2 * LOOP_UNITS_PER_RANK, calibration=DATA_FREE)
 
 
 @pytest.mark.parametrize(
-    ("chunk", "calibrated", "by_file"),
-    [("off", False, True), ("off", False, False), (3, False, True),
-     pytest.param("off", True, True, marks=pytest.mark.slow)],  # calibrated: ~10 s
+    ("chunk", "calibrated", "by_file", "mine"),
+    [("off", False, True, None), ("off", False, False, None), (3, False, True, None), ("off", False, True, 1),
+     pytest.param("off", True, True, None, marks=pytest.mark.slow)],  # calibrated: ~10 s
 )  # fmt: skip
-def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated, by_file, monkeypatch):
+def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calibrated, by_file, mine, monkeypatch):
     """The sharding itself, fast: rank 1 (a thread) works chunks k mod 2 of every MoE layer (``off``: split
-    in ``2 · UNITS_PER_RANK`` units; ``3``: chunks of 3, rank 1 takes the middle one); rank 0 writes them:
+    in ``2 · LOOP_UNITS_PER_RANK`` units; ``3``: chunks of 3, rank 1 takes the middle one), or all but ``mine``
+    of them (rank 0's share from ``engine/balance.py``, as when rank 0 is the slower one); rank 0 writes them:
     their tensors from rank 1's files in the run's units directory (``by_file``), else from the messages.
     Data-free rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
     from moecompress.engine import executor, shard
+    from moecompress.engine.balance import Balance
     from moecompress.engine.dry_run import dry_run
+
+    if mine is not None:
+        monkeypatch.setattr(Balance, "share", lambda self, units, world: mine)
 
     if not by_file:  # as when rank 1 cannot see rank 0's staging directory (another host)
         files = shard.unit_files
@@ -470,10 +475,12 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
     t.start()
     got = rank(0)
     t.join(60)
-    units = 2 * UNITS_PER_RANK if chunk == "off" else 2  # rank 1's units over the 2 layers
+    units = 2 * LOOP_UNITS_PER_RANK if chunk == "off" else 2  # rank 1's units over the 2 layers
+    units = units if mine is None else 2 * (2 * LOOP_UNITS_PER_RANK - mine)
     assert not t.is_alive() and out["layer_loop"]["chunks"] == units and out["layer_loop"]["layers"] == 2
     written = 1 if rec.emit == "final" else len(rec.steps)  # a file per unit and written step
-    assert out["layer_loop"]["unit_files"] == (units * written if by_file else 0)
+    files = out["layer_loop"]["unit_files"]  # one per unit and written step with tensors (a pruned expert has none)
+    assert files == (units * written if by_file else 0) if not calibrated else 0 < files <= units * written
     assert _hashes(model / f"q{chunk}{calibrated}-two") == _hashes(model / f"q{chunk}{calibrated}-one")
     assert not (model / f"q{chunk}{calibrated}-two" / UNITS).exists()
     sizes = [[(s["params_after"], s["bytes_after"]) for s in r["steps"]] for r in (ref, got)]
@@ -601,7 +608,7 @@ def test_codequant_kmeans_rotated_sharded_by_experts_is_byte_identical(model):
     """codequant k-means only (exact by chunks) with a rotation: the layers are shared out by chunks (rank 1
     works one of 2 per layer), the rotation goes once with the chunk of the layer's first expert."""
     steps = [{"codequant": {"bits": 3, "finetune_steps": 0, "rotation": "hadamard", "kmeans_iters": 50}}]
-    _compare_sharded(model, "cqs", steps, served=2 * UNITS_PER_RANK)
+    _compare_sharded(model, "cqs", steps, served=2 * LOOP_UNITS_PER_RANK)
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
@@ -613,7 +620,7 @@ def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
         {"expert_prune": {"ratio": 0.25, "method": "frequency"}},  # reap_saliency would hold the layer whole
         {"rtn": {"bits": 4, "group_size": 16}},
     ]
-    _compare_sharded(model, "pe", steps, served=2 * UNITS_PER_RANK)
+    _compare_sharded(model, "pe", steps, served=2 * LOOP_UNITS_PER_RANK)
 
 
 @pytest.mark.slow
@@ -760,5 +767,5 @@ def test_a_pass_error_on_another_rank_is_raised_on_rank_0_with_its_line(model):
 def test_gptq_sharded_by_experts_and_balanced_svd_held_whole_are_byte_identical(model):
     """gptq is exact by chunks (per-expert Hessians): its layers are shared out; svd_experts' balanced ranks
     are not (each chunk picks its own experts' extra ranks), so under torchrun its layers stay whole: one process's bytes."""
-    _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2 * UNITS_PER_RANK)
+    _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2 * LOOP_UNITS_PER_RANK)
     _compare(model, "sb", [{"svd_experts": {"ratio": 0.4}}])

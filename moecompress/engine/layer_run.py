@@ -100,7 +100,7 @@ def run_layer(run: RecipeRun, idx: int) -> None:
         if grouped:
             return _grouped_layer(run, lp, size, grouped[0])
         books, read = _chunk_books(run, idx, lp)
-        units = layer_chunks(run.ctx.ranks, lp, size, set(books.written)) if read else []
+        units = layer_chunks(run.ctx.ranks, lp, size, set(books.written), run.balance) if read else []
     for unit in units:
         for part in unit:  # in unit order, whichever rank worked the unit
             _take(run, idx, books, part)

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from moecompress._version import __version__
+from moecompress.engine.balance import Balance
 from moecompress.engine.context import RunContext
 from moecompress.engine.journal import JOURNAL, UNITS, staging_dir, write_json_atomic
 from moecompress.engine.layer_loop import stream_layers
@@ -61,6 +62,8 @@ class RecipeRun:
         self.seconds = {s.number: 0.0 for s in rec.steps}
         self.peak = {s.number: 0.0 for s in rec.steps}
         self.start_group = 0
+        self.balance = Balance()
+        """rank 0's share of each layer's units under ``torchrun`` (:mod:`moecompress.engine.balance`)"""
         if journal is None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging.mkdir(parents=True)

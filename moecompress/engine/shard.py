@@ -1,11 +1,12 @@
 """Under ``torchrun``, a layer's units on the ranks (``docs/distributed.md``): unit ``k`` is worked by rank
-``k mod N`` (:func:`moecompress.engine.units.unit_size` decides the units) and its parts travel to rank 0.
+``k mod N`` by default (:func:`moecompress.engine.units.unit_size` decides the units) and its parts travel to rank 0.
 
 Rank 0 runs the layer loop as one process does (:class:`~moecompress.engine.run.RecipeRun`): it alone
 reads the non-MoE tensors, writes, journals and renames. For an MoE layer held by chunks of experts
 (:mod:`moecompress.engine.layer_run`) it first broadcasts a *command* (the layer, the chunk size, the
 written steps); chunk ``k`` is then worked (:func:`~moecompress.engine.unit_work.chunk_parts`: reading,
-dequantising, every step, the error contributions, the encoding) by rank ``k mod N``. Each other rank
+dequantising, every step, the error contributions, the encoding) by rank ``k mod N``, or as rank 0's
+:class:`~moecompress.engine.balance.Balance` shares the units out when rank 0 is the slower one. Each other rank
 sends its chunks' parts to rank 0 (the wire below: safetensors and JSON), working its next chunk while rank 0
 has yet to receive them (:class:`Outbox`: one message in flight); rank 0 consumes every chunk in chunk order
 exactly as it consumes its own, so the output is the one process's, byte for byte. A written step's encoded
@@ -16,8 +17,8 @@ twice. When rank 0 is done it broadcasts a stop; the other ranks then return.
 
 Which layers (:func:`~moecompress.engine.units.unit_size`): those the run holds by chunks anyway
 (``expert_chunk``), and, under ``N > 1`` ranks, every other MoE layer whose steps can all run by chunks
-with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``2N``
-units of ``ceil(E / 2N)`` experts (``calibration.expert_sharded.UNITS_PER_RANK``); a merge by units of groups (``Chunking('group')``) sends its command
+with the whole layer's bytes (each step's ``PassSpec.chunking`` and ``Chunking.exact``), split into ``4N``
+units of ``ceil(E / 4N)`` experts (``units.LOOP_UNITS_PER_RANK``); a merge by units of groups (``Chunking('group')``) sends its command
 before rank 0 prepares it, every rank decides the groups, and unit ``k`` is worked by rank ``k mod N``
 (:mod:`moecompress.engine.group_work`); any other layer is one unit, run whole by rank 0 while the others
 wait for the next command. The other ranks read a layer's statistics from rank 0's statistics-cache entry (it is
@@ -43,6 +44,7 @@ import os
 import secrets
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ from safetensors.torch import load, save
 
 from moecompress import errors
 from moecompress.engine import chunks
+from moecompress.engine.balance import Balance, owners
 from moecompress.engine.context import RunContext
 from moecompress.engine.distributed import Ranks, Sending
 from moecompress.engine.group_work import CHOICES, owned, trial, unit_parts
@@ -69,23 +72,41 @@ STOP = -1
 """The layer index of the command that ends the other ranks' loop."""
 
 
-def _command(ranks: Ranks, steps: list, values: list[int]) -> list[int]:
-    length = 3 + len(steps)
-    return ranks.broadcast_ints([*values, *[0] * (length - len(values))], length)
+def _command(ranks: Ranks, steps: list, values: list[int], mine: int = 0) -> list[int]:
+    """``[layer, size, written count, written steps... (padded), mine]``: ``mine``, rank 0's share of the
+    layer's units (:mod:`moecompress.engine.balance`), goes last."""
+    length = 4 + len(steps)
+    return ranks.broadcast_ints([*values, *[0] * (length - 1 - len(values)), mine], length)
 
 
 def layer_chunks(
-    ranks: Ranks, lp: LayerPlan, size: int, written: set[int]
+    ranks: Ranks, lp: LayerPlan, size: int, written: set[int], balance: Balance | None = None
 ) -> Iterator[Iterable[ErrPart | StepPart]]:
-    """Rank 0's view of layer ``lp.idx`` by chunks of ``size``: per chunk, in order, its parts (worked here
-    for chunk ``k`` with ``k mod N == 0``, else received from rank ``k mod N``); under ``N > 1`` ranks the
-    command goes out first."""
+    """Rank 0's view of layer ``lp.idx`` by chunks of ``size``: per chunk, in order, its parts (worked here, or
+    received from the rank that owns it: :func:`~moecompress.engine.balance.owners` of ``balance``'s share);
+    under ``N > 1`` ranks the command goes out first, and ``balance`` sees the layer's times."""
     bounds = chunks.bounds(lp.shells[0].router.num_experts, size)
     n = ranks.world_size
+    mine = (balance or Balance()).share(len(bounds), n)
+    who = owners(len(bounds), n, mine)
     if n > 1:
-        _command(ranks, lp.steps, [lp.idx, size, len(written), *sorted(written)])
+        _command(ranks, lp.steps, [lp.idx, size, len(written), *sorted(written)], mine)
+    own: list[float] = []
+    took: list[float] = []
+    other: list[float] = []
     for k, (a, b) in enumerate(bounds):
-        yield chunk_parts(lp, a, b, written) if k % n == 0 else decode(*receive(ranks, k % n))
+        if who[k] == 0:
+            t = time.perf_counter()
+            yield chunk_parts(lp, a, b, written)
+            own.append(time.perf_counter() - t)
+            continue
+        head, blob = receive(ranks, who[k])
+        t = time.perf_counter()
+        yield decode(head, blob)
+        took.append(time.perf_counter() - t)
+        other.append(float(json.loads(head.decode()).get("unit_s", 0.0)))
+    if balance is not None:
+        balance.observe(own, took, other)
 
 
 def send_command(ranks: Ranks, steps: list, idx: int, size: int, written: list[int]) -> None:
@@ -189,7 +210,7 @@ def follow(
     while True:
         out.wait()  # rank 0 has received this layer's units before it sends the next command
         cmd = _command(ranks, steps, [])
-        idx, size, count = cmd[:3]
+        idx, size, count, mine = *cmd[:3], cmd[-1]
         if idx == STOP:
             return {"layers": layers, "chunks": worked, "peak_rss_mb": round(peak, 1),
                     "unit_files": files.count if files is not None else 0}  # fmt: skip
@@ -205,8 +226,10 @@ def follow(
             layers += 1
             del lp
             continue
-        for k, (a, b) in enumerate(chunks.bounds(lp.shells[0].router.num_experts, size)):
-            if k % ranks.world_size == ranks.rank:
+        bounds = chunks.bounds(lp.shells[0].router.num_experts, size)
+        who = owners(len(bounds), ranks.world_size, mine)
+        for k, (a, b) in enumerate(bounds):
+            if who[k] == ranks.rank:
                 serve(lp, a, b, written, files, out)
                 worked += 1
                 peak = max(peak, rss_mb())
@@ -226,7 +249,11 @@ def _check_entry(ranks: Ranks, entry: Path | None, needs_stats: bool) -> None:
 def serve(lp: LayerPlan, a: int, b: int, written: set[int], files: UnitFiles | None, out: Outbox) -> None:
     """Experts ``[a, b)`` of ``lp``'s layer worked here and sent to rank 0 through ``out`` (an error a pass raises
     is sent too, then raised here); ``files``: see :func:`follow`."""
-    out.send(lambda: encode(chunk_parts(lp, a, b, written), lp.steps, files))
+    def make() -> tuple[bytes, bytes]:
+        started = time.perf_counter()
+        return encode(chunk_parts(lp, a, b, written), lp.steps, files, started=started)
+
+    out.send(make)
 
 
 # -- the wire ------------------------------------------------------------------------------------------
@@ -305,12 +332,12 @@ def _uninfo(info: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return info
 
 
-def encode(parts, steps: list, files: UnitFiles | None = None) -> tuple[bytes, bytes]:
+def encode(parts, steps: list, files: UnitFiles | None = None, started: float | None = None) -> tuple[bytes, bytes]:
     """The parts of one chunk (an iterable of :class:`ErrPart` / :class:`StepPart`) as one message: its
     header and its tensors (safetensors), sent apart so that neither side copies the tensors' bytes again
     to join or split them (a message's peak: its tensors and one copy of their bytes). With ``files``, a
     written step's encoded tensors go to a file of this rank's instead (:class:`UnitFiles`) and the header
-    says where."""
+    says where. ``started``: when the unit's work began (the header then says its seconds, ``unit_s``)."""
     box, head = _Tensors(), []
     for p in parts:
         if isinstance(p, ErrPart):
@@ -326,7 +353,10 @@ def encode(parts, steps: list, files: UnitFiles | None = None) -> tuple[bytes, b
         p.writes = []  # the encoded tensors now live in the message only
     blob = save(box.out) if box.out else b""
     box.out.clear()  # the parts' tensors now live in the blob only
-    return json.dumps({"parts": head}).encode(), blob
+    msg: dict[str, Any] = {"parts": head}
+    if started is not None:  # the unit's seconds on this rank (rank 0's Balance)
+        msg["unit_s"] = time.perf_counter() - started
+    return json.dumps(msg).encode(), blob
 
 
 def encode_error(err: MoecompressError) -> tuple[bytes, bytes]:

@@ -1,6 +1,6 @@
 """A layer's units (ranges of experts): the one place that reads the steps' per-expert rules
 (``PassSpec.chunking``) to decide them. The run asks :func:`unit_size` (one unit, the whole layer; or units
-of ``expert_chunk``'s size; or ``ceil(E / 2N)`` (``calibration.expert_sharded.UNITS_PER_RANK``) under ``N`` ranks); the dry run decides which MoE layers are
+of ``expert_chunk``'s size; or ``ceil(E / 4N)`` (:data:`LOOP_UNITS_PER_RANK`) under ``N`` ranks); the dry run decides which MoE layers are
 held by chunks of experts, how many experts at a time, and what a step needs then (``expert_chunk: auto |
 off | N``):
 
@@ -22,7 +22,6 @@ import math
 
 import torch
 
-from moecompress.calibration.expert_sharded import UNITS_PER_RANK
 from moecompress.engine import chunks, follow, resources
 from moecompress.engine.context import RunContext
 from moecompress.engine.recipe import Recipe
@@ -32,6 +31,11 @@ from moecompress.io.writer import parse_size
 from moecompress.ir import MoELayer
 
 GiB = resources.GiB
+
+LOOP_UNITS_PER_RANK = 4
+"""Under ``N`` ranks a layer the run does not chunk goes through the layer loop in ``N · LOOP_UNITS_PER_RANK`` units
+(calibration keeps ``calibration.expert_sharded.UNITS_PER_RANK``): finer units let rank 0 give the other ranks more of them when it is the
+slower one (:mod:`moecompress.engine.balance`), and each rank holds less at a time."""
 
 
 def memory_limit(recipe: Recipe) -> int | None:
@@ -257,7 +261,7 @@ def check_chunked(
 
 def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int | None:
     """Experts per unit of MoE layer ``idx`` in the layer loop (``None``: one unit, the whole layer, on
-    rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / (N · UNITS_PER_RANK))``
+    rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / (N · LOOP_UNITS_PER_RANK))``
     when every step can run by chunks with the whole layer's result (``Chunking.exact``) and
     ``calibration.propagate`` is not ``compressed``."""
     if idx in ctx.expert_chunks:
@@ -267,5 +271,5 @@ def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int |
         return None
     if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
         return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
-    return -(-e // (n * UNITS_PER_RANK))
+    return -(-e // (n * LOOP_UNITS_PER_RANK))
 
