@@ -12,9 +12,10 @@ owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks
    ``on_route``): the same values on every rank, those of one process;
 4. in round ``j`` the ranks hold chunks ``jN .. jN+N-1``; per batch each makes its chunk's weighted expert
    outputs (:func:`~moecompress.reference.expert_terms`; its collector sees its experts), the terms of a
-   group of consecutive batches are all-gathered at once (:func:`batch_groups`; safetensors, no pickle), and
-   every rank adds every chunk's terms in chunk order, which is expert order, to each batch's fp32
-   accumulators: the additions of one process, bit for bit;
+   group of consecutive batches are all-gathered at once (:func:`batch_groups`; safetensors, no pickle, read
+   as views into the received bytes), started ahead (:class:`~.gather_ahead.GatherAhead`: the rank computes
+   the next group's terms meanwhile), and every rank adds every chunk's terms in chunk order, which is expert
+   order, to each batch's fp32 accumulators: the additions of one process, bit for bit;
 5. rank 0 finishes every batch (shared expert, ``on_output``), the others their own; each rank returns
    ``h1_b + moe_b`` for its own batches;
 6. per-expert statistics reach rank 0, which keeps the layer's: spilled covariances
@@ -32,12 +33,16 @@ rank 0, which keeps the layer's statistics as one process does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from moecompress.calibration import moe_backward as mb
 from moecompress.calibration.chunked import ChunkedLayer, _flat
+from moecompress.calibration.gather_ahead import GatherAhead
 from moecompress.calibration.skeleton import run_batch, to_device
+from moecompress.io.shard_format import load_buffer
 from moecompress.reference import Term, add_term, expert_terms, shared_forward
 
 NOT_SHARDED = frozenset({"down_in_cov_pooled", "expert_out_gram", "route_attrib"})
@@ -75,16 +80,24 @@ def batch_groups(tokens: list[int], row_bytes: int, world: int, budget: int | No
     return groups
 
 
-def _gathered(group, blob: bytes, batches: list[int]) -> list[dict[int, dict[str, torch.Tensor]]]:
-    """Every rank's terms of ``batches`` (:func:`_terms_blob` / :func:`_grad_blob`), by rank, then batch."""
+def _loaded(parts: list[torch.Tensor], batches: list[int], rank: int) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Every other rank's terms of ``batches`` (gathered :func:`_terms_blob` / :func:`_grad_blob`; views into the
+    received bytes), by rank, then batch; this rank's own are not read (it adds the terms it made)."""
     out = []
-    for got in group.all_gather_bytes(blob):
+    for r, got in enumerate(parts):
         by_batch: dict[int, dict[str, torch.Tensor]] = {b: {} for b in batches}
-        for key, v in load(got).items():
+        for key, v in (load_buffer(got) if r != rank else {}).items():
             b, _, rest = key.partition(":")
             by_batch[int(b)][rest] = v
         out.append(by_batch)
     return out
+
+
+def _aligned(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of received safetensors bytes, copied: they enter matmuls (the router, the experts), and a
+    view into the bytes is only 8-byte aligned, which changed the router's statistics in their last bits
+    (``tests/test_expert_sharded.py``). Terms are only added (``index_add_``): they stay views."""
+    return {k: v.clone() for k, v in load_buffer(buf).items()}
 
 
 def default_size(ckpt, world: int) -> int:
@@ -117,7 +130,7 @@ def _terms_blob(terms: dict[int, list[Term]]) -> bytes:
 
 
 def _add_blob(got: dict[str, torch.Tensor], phys: torch.Tensor, out: torch.Tensor, acc: dict, dev: torch.device) -> None:
-    """Add a rank's terms of one batch (:func:`_gathered`) in expert order, as :func:`expert_terms` made them."""
+    """Add a rank's terms of one batch (:func:`_loaded`) in expert order, as :func:`expert_terms` made them."""
     experts: dict[int, dict[str, torch.Tensor]] = {}
     for key, v in got.items():
         q, _, kind = key.partition(".")
@@ -150,8 +163,8 @@ def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, ho
                 h1s.append(run_batch(mod, hidden[k], args, kw, dev))
                 blob = save({"u": _flat(layer.recorder.seen).to(cpu).contiguous()})
                 layer.recorder.seen = hidden[k] = None
-            for r, got in enumerate(group.all_gather_bytes(blob)):
-                if got := load(got):
+            for r, got in enumerate(group.all_gather_buffers(blob)):
+                if got := _aligned(got):
                     us[k * world + r] = got["u"]
         del mod
         finish = range(n) if rank == 0 else mine  # rank 0 keeps the layer's statistics
@@ -170,31 +183,37 @@ def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, ho
         chunks = len(layer.ranges)
         row = layer.shell.router.top_k * us[0].shape[-1] * 4 if us else 0  # a term's row: H fp32
         groups = batch_groups([u.shape[0] for u in us], row, world)
-        for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
-            k = j * world + rank
-            first, bank = layer.chunk(k, check=True) if k < chunks else (0, None)
-            for batches in groups:
-                terms: dict[int, list[Term]] = {b: [] for b in batches}
-                for b in batches:
-                    if bank is not None:
-                        col.mode = "holdout" if holdout[b] else "stats"
-                        u = us[b].to(dev)
-                        col.resume_batch(states[b], u)
-                        terms[b] = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
-                got = _gathered(group, _terms_blob(terms), batches)
-                for b in batches:
-                    if b not in outs:
-                        continue
-                    for r in range(world):
-                        if r == rank:
-                            for t in terms[b]:
-                                add_term(t, outs[b], accs[b])
-                        else:
-                            _add_blob(got[r][b], phys[b], outs[b], accs[b], dev)
-                del terms, got
-            bank = None
-            if save_experts is not None:
-                _spilled(group, layer, col, save_experts, i, j)
+
+        def add(batches: list[int], terms: dict[int, list[Term]], parts: list[torch.Tensor]) -> None:
+            got = _loaded(parts, batches, rank)
+            for b in batches:
+                if b not in outs:
+                    continue
+                for r in range(world):
+                    if r == rank:
+                        for t in terms[b]:
+                            add_term(t, outs[b], accs[b])
+                    else:
+                        _add_blob(got[r][b], phys[b], outs[b], accs[b], dev)
+
+        with GatherAhead(group) as ahead:
+            for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
+                k = j * world + rank
+                first, bank = layer.chunk(k, check=True) if k < chunks else (0, None)
+                for batches in groups:
+                    terms: dict[int, list[Term]] = {b: [] for b in batches}
+                    for b in batches:
+                        if bank is not None:
+                            col.mode = "holdout" if holdout[b] else "stats"
+                            u = us[b].to(dev)
+                            col.resume_batch(states[b], u)
+                            terms[b] = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
+                    ahead.start(_terms_blob(terms), functools.partial(add, batches, terms))
+                    del terms
+                bank = None
+                if save_experts is not None:
+                    ahead.drain()  # point to point next: no gather in flight
+                    _spilled(group, layer, col, save_experts, i, j)
         _expert_rows(group, layer, col)
         result = []
         for b in finish:
@@ -232,7 +251,7 @@ def _spilled(group, layer: ChunkedLayer, col, save_experts, i: int, j: int) -> N
                 else:
                     group.send_bytes(save(rows), 0)
             elif rank == 0:
-                save_experts(i, e, load(group.recv_bytes(r)))
+                save_experts(i, e, load_buffer(group.recv_buffer(r)))
 
 
 def _expert_rows(group, layer: ChunkedLayer, col) -> None:
@@ -246,7 +265,7 @@ def _expert_rows(group, layer: ChunkedLayer, col) -> None:
             if rank == owner:
                 group.send_bytes(save(col.expert_rows(e, e + 1)), 0)
             elif rank == 0:
-                col.put_expert_rows(e, e + 1, load(group.recv_bytes(owner)))
+                col.put_expert_rows(e, e + 1, load_buffer(group.recv_buffer(owner)))
 
 
 def _grad_blob(terms: dict[int, list[mb.GradTerm]]) -> bytes:
@@ -259,7 +278,7 @@ def _grad_blob(terms: dict[int, list[mb.GradTerm]]) -> bytes:
 
 
 def _add_grad_blob(got: dict[str, torch.Tensor], p: mb.Pending, dev: torch.device) -> None:
-    """Add a rank's terms of one batch (:func:`_gathered`) in expert order, as
+    """Add a rank's terms of one batch (:func:`_loaded`) in expert order, as
     :func:`~.moe_backward.expert_grad_terms` made them (their rows follow from the batch's routing, the same on
     every rank)."""
     for q in sorted({int(key.partition(".")[0]) for key in got}):
@@ -296,8 +315,8 @@ def backward_layer(skel, i: int, size: int, group, inputs: list, kwargs: list, g
             u = mb.record(layer, mod, inputs[k], args, kw, dev)
             blob = save({"u": u.contiguous(), "g": _flat(grads[k]).cpu().contiguous()})
             del u
-        for r, got in enumerate(group.all_gather_bytes(blob)):
-            if got := load(got):
+        for r, got in enumerate(group.all_gather_buffers(blob)):
+            if got := _aligned(got):
                 us[k * world + r], gs[k * world + r] = got["u"], got["g"]
     mod = None  # not held while the chunks are: read again for the last recomputation
     own = {mine[k] for k in grads}
@@ -309,24 +328,29 @@ def backward_layer(skel, i: int, size: int, group, inputs: list, kwargs: list, g
     chunks = len(layer.ranges)
     row = layer.shell.router.top_k * (us_width + 1) * 4  # a term's row: x (H fp32) and w (fp32)
     groups = [[order[b] for b in g] for g in batch_groups([tokens[b] for b in order], row, world)]
-    for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
-        k = j * world + rank
-        first, bank = layer.chunk(k, check=False) if k < chunks else (0, None)
-        for batches in groups:
-            terms = {b: mb.chunk_terms(bank, first, pend[b], col, dev) if bank is not None else [] for b in batches}
-            got = _gathered(group, _grad_blob(terms), batches)
-            for b in batches:
-                p = pend[b]
-                if p.gu is None:
-                    continue
-                for r in range(world):
-                    if r == rank:
-                        for t in terms[b]:
-                            mb.add_grad_term(t, p)
-                    else:
-                        _add_grad_blob(got[r][b], p, dev)
-            del terms, got
-        bank = None
+
+    def add(batches: list[int], terms: dict[int, list[mb.GradTerm]], parts: list[torch.Tensor]) -> None:
+        got = _loaded(parts, batches, rank)
+        for b in batches:
+            p = pend[b]
+            if p.gu is None:
+                continue
+            for r in range(world):
+                if r == rank:
+                    for t in terms[b]:
+                        mb.add_grad_term(t, p)
+                else:
+                    _add_grad_blob(got[r][b], p, dev)
+
+    with GatherAhead(group) as ahead:
+        for j in range(-(-chunks // world)):  # round j: chunk jN + r on rank r
+            k = j * world + rank
+            first, bank = layer.chunk(k, check=False) if k < chunks else (0, None)
+            for batches in groups:
+                terms = {b: mb.chunk_terms(bank, first, pend[b], col, dev) if bank is not None else [] for b in batches}
+                ahead.start(_grad_blob(terms), functools.partial(add, batches, terms))
+                del terms
+            bank = None
     _expert_rows(group, layer, col)
     for b in order:
         if b not in own:

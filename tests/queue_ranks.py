@@ -32,6 +32,10 @@ class QueueRanks(Ranks):
     def all_gather_bytes(self, blob: bytes) -> list[bytes]:
         return self._all(blob)
 
+    def all_gather_buffers(self, blob: bytes) -> list[torch.Tensor]:
+        return [torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+                for b in self.all_gather_bytes(blob)]  # fmt: skip
+
     def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]:
         return self._all(list(values))
 

@@ -43,13 +43,13 @@ DIE = r"""
 import os, sys
 from moecompress.engine.distributed import Ranks
 from moecompress.cli import main
-gather, calls = Ranks.all_gather_bytes, []
+gather, calls = Ranks.all_gather_buffers, []
 def dying(self, blob):
     calls.append(1)
     if len(calls) == 3:
         os._exit(9)
     return gather(self, blob)
-Ranks.all_gather_bytes = dying
+Ranks.all_gather_buffers = dying
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -769,3 +769,47 @@ def test_gptq_sharded_by_experts_and_balanced_svd_held_whole_are_byte_identical(
     are not (each chunk picks its own experts' extra ranks), so under torchrun its layers stay whole: one process's bytes."""
     _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2 * LOOP_UNITS_PER_RANK)
     _compare(model, "sb", [{"svd_experts": {"ratio": 0.4}}])
+
+
+# rank 1 starts its gathers only once rank 0 has started all of its own (a marker file): rank 0's starts do not
+# wait for rank 1; then every rank's blob (sizes differ, one empty) arrives in rank order, as bytes and as buffers
+GATHER_AHEAD = r"""
+import os, sys, time
+from pathlib import Path
+from moecompress.calibration.gather_ahead import GatherAhead
+from moecompress.engine import distributed
+marker = Path(sys.argv[1])
+ranks = distributed.start(distributed.Launch.from_env(os.environ), "cpu")
+blobs = [bytes([ranks.rank + 1]) * (1000 * (ranks.rank + 1) * k) for k in range(3)]
+got = []
+with GatherAhead(ranks, ahead=3) as ahead:
+    if ranks.rank == 1:
+        for _ in range(600):
+            if marker.exists():
+                break
+            time.sleep(0.1)
+    for b in blobs:
+        ahead.start(b, lambda parts: got.append([bytes(p.numpy()) for p in parts]))
+    if ranks.rank == 0:
+        marker.write_text("started")
+        print("STARTED", got == [], flush=True)
+want = [[bytes([1]) * (1000 * k), bytes([2]) * (2000 * k)] for k in range(3)]
+print("GATHERED", got == want, flush=True)
+print("BYTES", ranks.all_gather_bytes(blobs[1]) == want[1], flush=True)
+distributed.stop(ranks)
+"""
+
+
+def test_a_rank_starts_its_gathers_without_waiting_for_the_others(tmp_path):
+    """``GatherAhead`` over gloo: rank 0 starts three all-gathers while rank 1 has started none (a blocking
+    gather would wait forever for the marker rank 0 writes after them); the parts arrive in rank order."""
+    port, procs = _port(), []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-c", GATHER_AHEAD, str(tmp_path / "started")]
+        procs.append(subprocess.Popen(cmd, env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+    (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], (err0[-500:], err1[-500:])
+    assert "STARTED True" in out0
+    assert out0.count("GATHERED True") == 1 and out1.count("GATHERED True") == 1
+    assert "BYTES True" in out0 and "BYTES True" in out1

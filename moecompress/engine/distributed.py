@@ -95,17 +95,25 @@ class Ranks:
         """Every rank's ``blob``, in rank order (variable sizes: lengths first, then padded bytes)."""
         if self.world_size == 1:
             return [blob]
+        return [p.numpy().tobytes() for p in self.all_gather_buffers(blob)]
+
+    def all_gather_buffers(self, blob: bytes) -> list[torch.Tensor]:
+        """:meth:`all_gather_bytes` as uint8 host tensors, the bytes as received (not copied into ``bytes``: read
+        them with :func:`~moecompress.io.shard_format.load_buffer`). The blob is copied once, into the padded
+        tensor the collective sends; nothing is zeroed (a part is only read up to its rank's length)."""
+        if self.world_size == 1:
+            return [_buffer(blob)]
         dev = torch.device(self.device)
         size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         _guard(self, "all_gather", lambda: torch.distributed.all_gather(sizes, size))
         top = max(int(s) for s in sizes)
-        mine = torch.zeros(top, dtype=torch.uint8, device=dev)
+        mine = torch.empty(top, dtype=torch.uint8, device=dev)
         if blob:
-            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
-        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            mine[: len(blob)] = _buffer(blob).to(dev)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         _guard(self, "all_gather", lambda: torch.distributed.all_gather(parts, mine))
-        return [bytes(p[: int(s)].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
+        return [p[: int(s)].cpu() for p, s in zip(parts, sizes)]
 
     def all_gather_f64(self, values: list[float], length: int) -> list[list[float]]:
         """Every rank's ``values`` (at most ``length`` of them; float64, exact), in rank order."""
@@ -205,6 +213,15 @@ class Sending:
 
 SINGLE = Ranks()
 """One process: no process group."""
+
+
+def _buffer(blob: bytes) -> torch.Tensor:
+    """``blob`` as a uint8 tensor over its bytes (read-only: only read, never written; no copy)."""
+    if not blob:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(blob, dtype=torch.uint8)
 
 
 def _guard(ranks: Ranks, what: str, call):
