@@ -441,7 +441,7 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
     of them (rank 0's share from ``engine/balance.py``, as when rank 0 is the slower one); rank 0 writes them:
     their tensors from rank 1's files in the run's units directory (``by_file``), else from the messages.
     Data-free rtn, or heapr (global plan), expert_prune and rtn after a data-parallel calibration."""
-    from moecompress.engine import executor, shard
+    from moecompress.engine import executor, wire
     from moecompress.engine.balance import Balance
     from moecompress.engine.dry_run import dry_run
 
@@ -449,8 +449,8 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
         monkeypatch.setattr(Balance, "share", lambda self, units, world: mine)
 
     if not by_file:  # as when rank 1 cannot see rank 0's staging directory (another host)
-        files = shard.unit_files
-        monkeypatch.setattr(shard, "unit_files", lambda ranks, staging: files(ranks, staging) and None)
+        files = wire.unit_files
+        monkeypatch.setattr(wire, "unit_files", lambda ranks, staging: files(ranks, staging) and None)
 
     # expert_prune by frequency: expert_counts do not change with heapr, so the layer may go by chunks
     # (reap_saliency would be replayed on the pruned layer, which holds it whole: engine/follow.py)
@@ -489,20 +489,20 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
 
 @pytest.mark.parametrize("other", ["same", "missing", "elsewhere"])
 def test_the_other_ranks_write_their_units_only_where_rank_0_reads_them(tmp_path, other):
-    """``shard.unit_files``: rank 1 gets a units directory only when rank 0 reads back the probe rank 1 wrote
+    """``wire.unit_files``: rank 1 gets a units directory only when rank 0 reads back the probe rank 1 wrote
     there; a staging path that does not exist on rank 1's host, or exists there as another directory (a
     local disk at the same path), leaves the tensors in the messages, on both ranks."""
-    from moecompress.engine import shard
+    from moecompress.engine.wire import unit_files
 
     staging = tmp_path / "out.partial"
     staging.mkdir()
     seen = {"same": staging, "missing": tmp_path / "nowhere", "elsewhere": tmp_path / "host2" / "out.partial"}[other]
     (tmp_path / "host2" / "out.partial").mkdir(parents=True)
     (tmp_path / "host2" / "out.partial" / UNITS).mkdir()
-    wire, got = {}, {}
-    t = threading.Thread(target=lambda: got.update(r1=shard.unit_files(QueueRanks(1, 2, wire=wire), seen)))
+    queues, got = {}, {}
+    t = threading.Thread(target=lambda: got.update(r1=unit_files(QueueRanks(1, 2, wire=queues), seen)))
     t.start()
-    got["r0"] = shard.unit_files(QueueRanks(0, 2, wire=wire), staging)
+    got["r0"] = unit_files(QueueRanks(0, 2, wire=queues), staging)
     t.join(30)
     assert not t.is_alive() and got["r0"] is None  # rank 0 writes its own units through its writers
     if other == "same":
@@ -517,7 +517,7 @@ def test_the_other_ranks_write_their_units_only_where_rank_0_reads_them(tmp_path
 def test_chunk_parts_travel_as_bytes_unchanged(model):
     """A chunk's parts through safetensors + JSON (no pickle) equal the parts themselves; an error raised
     on the sending rank is raised again, with its type and line, on the receiving one."""
-    from moecompress.engine import shard as chunk_wire
+    from moecompress.engine import wire as chunk_wire
     from moecompress.engine.context import RunContext
     from moecompress.engine.recipe import load_recipe
     from moecompress.engine.unit_work import ErrPart, chunk_parts, prepare
@@ -555,12 +555,12 @@ def test_chunk_parts_travel_as_bytes_unchanged(model):
 OUTBOX = r"""
 import os, sys, time
 from pathlib import Path
-from moecompress.engine import distributed, shard
+from moecompress.engine import distributed, wire
 from moecompress.errors import PassError
 marker = Path(sys.argv[1])
 ranks = distributed.start(distributed.Launch.from_env(os.environ), "cpu")
 if ranks.rank == 1:
-    out = shard.Outbox(ranks)
+    out = wire.Outbox(ranks)
     for k in range(3):
         out.send(lambda: (f"head{k}".encode(), bytes([k]) * (1000 * k)))
         if k == 0:
@@ -579,10 +579,10 @@ else:
         time.sleep(0.1)
     print("MARKER", marker.exists(), flush=True)
     for k in range(3):
-        head, blob = shard.receive(ranks, 1)
+        head, blob = wire.receive(ranks, 1)
         assert head == f"head{k}".encode() and bytes(blob.numpy()) == bytes([k]) * (1000 * k), k
     try:
-        shard.decode(*shard.receive(ranks, 1))
+        wire.decode(*wire.receive(ranks, 1))
     except PassError as err:
         print("GOT", err, flush=True)
 distributed.stop(ranks)
@@ -590,7 +590,7 @@ distributed.stop(ranks)
 
 
 def test_a_rank_works_on_while_rank_0_has_yet_to_receive_its_message(tmp_path):
-    """``shard.Outbox`` over gloo: rank 1's send returns before rank 0 receives (gloo's own send waits for
+    """``wire.Outbox`` over gloo: rank 1's send returns before rank 0 receives (gloo's own send waits for
     the receive), messages arrive in order, and an error raised while making one reaches rank 0 as itself."""
     port, procs = _port(), []
     for rank in (0, 1):

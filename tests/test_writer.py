@@ -258,7 +258,7 @@ def test_load_buffer_views_the_tensors_of_safetensors_bytes_without_copying():
 
 
 def _other_process_file(path: Path, tensors: list[torch.Tensor]) -> list[int]:
-    """What another rank does (``shard.UnitFiles``): the tensors' bytes one after another in a file of its
+    """What another rank does (``wire.UnitFiles``): the tensors' bytes one after another in a file of its
     own; their offsets."""
     offsets, off = [], 0
     with open(path, "wb") as f:

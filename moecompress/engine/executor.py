@@ -46,7 +46,7 @@ from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.stats import SPILLED
 from moecompress.calibration.sweep import Batches, run_calibration
-from moecompress.engine import distributed, resources, segments, shard
+from moecompress.engine import distributed, resources, segments, shard, wire
 from moecompress.engine.context import RunContext, resolve_device
 from moecompress.engine.distributed import Launch
 from moecompress.engine.dry_run import dry_run
@@ -362,14 +362,14 @@ def _compress(rec: Recipe, ckpt: Checkpoint, plan: dict, fingerprint: str, journ
             cache_key_extra=rec.fingerprint() if compressed else "",
         )  # fmt: skip
     if not ranks.is_writer:  # its calibration share is done; it works the chunks of experts rank 0 hands out
-        files = shard.unit_files(ranks, staging_dir(rec.output))
+        files = wire.unit_files(ranks, staging_dir(rec.output))
         work = shard.follow(ranks, ckpt, list(rec.steps), entry, ctx, lambda: run_plans(rec, ckpt, entry),
                             needs_stats=not rec.calibration.data_free, files=files)  # fmt: skip
         report = {"rank": ranks.rank, "calibration": calib, "layer_loop": work}
         return RunResult(Path(rec.output), report, cache_entry=entry)
     plans = run_plans(rec, ckpt, entry)
     run = RecipeRun(rec, ckpt, entry, plans, ctx, journal, dequantize=plan.get("dequantize_output", False))
-    shard.unit_files(ranks, run.staging)  # the other ranks learn whether they write their units' tensors there
+    wire.unit_files(ranks, run.staging)  # the other ranks learn whether they write their units' tensors there
     run.loop()
     shard.release(ranks, list(rec.steps))  # before the rename: a rank lost by now fails the run
     if entry is None:  # every row says that its error is unknown, not zero

@@ -27,7 +27,7 @@ from moecompress.report.write import json_safe
 JOURNAL = "journal.json"
 UNITS = "units"
 """In the staging directory under ``torchrun``: the files in which ranks ``1..N-1`` write their units' encoded
-tensors for rank 0's writers to adopt (:func:`moecompress.engine.shard.unit_files`); removed before the rename."""
+tensors for rank 0's writers to adopt (:func:`moecompress.engine.wire.unit_files`); removed before the rename."""
 
 
 def staging_dir(output: str | Path) -> Path:

@@ -38,10 +38,11 @@ from moecompress.engine.group_work import trial as trial_info
 from moecompress.engine.group_work import unit_parts
 from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
-from moecompress.engine.shard import FileBytes, grouped_units, layer_chunks, send_command, share_choice
+from moecompress.engine.shard import grouped_units, layer_chunks, send_command, share_choice
 from moecompress.engine.unit_work import ErrPart, StepPart, prepare, whole_parts
 from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
+from moecompress.engine.wire import FileBytes
 from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape
 from moecompress.io.quantized import check_stock_output
@@ -283,7 +284,7 @@ def _write_chunk(run: RecipeRun, idx: int, number: int, part: StepPart, stock: d
         )
     adopted: list[Path] = []
     for how, name, t in part.writes:
-        if isinstance(t, FileBytes):  # another rank wrote its bytes (shard.unit_files): the writer adopts them
+        if isinstance(t, FileBytes):  # another rank wrote its bytes (wire.unit_files): the writer adopts them
             path = run.staging / UNITS / t.file
             if path not in adopted:
                 w.adopt(path)
