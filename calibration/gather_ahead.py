@@ -5,8 +5,8 @@ Expert-sharded calibration (:mod:`~moecompress.calibration.expert_sharded`) gath
 A round's work differs by rank (the tokens each rank's experts receive), so a gather that waits at once makes
 each rank wait for the slower one round by round; with the gather of round ``j`` in flight while round ``j + 1``
 is computed, a rank waits only for what the other rank is behind over both rounds. Measured (heapr, Qwen3-30B
-widths, 2 layers, 2 ranks on 2 cores, ``benchmarks/RESULTS.md``): a rank's time in the gathers 1.5–1.9 s ->
-0.5–1.2 s, calibration's wall unchanged within the machine's noise (the chunk reads beside the transfers got
+widths, 2 layers, 2 ranks on 2 cores, ``benchmarks/RESULTS.md``): a rank's time in the gathers 1.5–2.0 s ->
+0.5–1.8 s, calibration's wall unchanged within the machine's noise (the chunk reads beside the transfers got
 slower: two ranks already use both cores). Where a gather's transfer is wall time (between hosts, NCCL), it
 overlaps the next round's compute.
 
