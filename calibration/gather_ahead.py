@@ -29,14 +29,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import torch
+
 AHEAD = 1
 """Gathers in flight while the next piece of work is computed (each holds its pieces' bytes from every rank)."""
 
 
 class GatherAhead:
     """``with GatherAhead(group) as ahead:`` then ``ahead.start(blob, then)``: ``then(parts)`` (every rank's
-    ``blob``, in rank order, as ``group.all_gather_buffers``: uint8 tensors) is called once at most ``ahead`` later gathers have
-    started, or at :meth:`drain` (also on leaving the block without an error)."""
+    ``blob``, in rank order, as ``group.all_gather_buffers``: uint8 tensors) is called once at most ``ahead``
+    later gathers have started, or at :meth:`drain` (also on leaving the block without an error)."""
 
     def __init__(self, group, ahead: int = AHEAD):
         self._group, self._ahead = group, max(int(ahead), 0)
@@ -64,6 +66,9 @@ class GatherAhead:
         then(fut.result())
 
     def _run(self) -> None:
+        device = torch.device(getattr(self._group, "device", "cpu"))
+        if device.type == "cuda":  # a new thread starts on CUDA device 0: this rank's collectives use its own
+            torch.cuda.set_device(device)
         while True:
             job = self._todo.get()
             if job is None:
