@@ -8,7 +8,8 @@ outputs are byte-identical.
 
 The checkpoint: ``qwen3_moe`` with Qwen3-30B-A3B's MoE shapes (hidden 2048, experts of width 768, top-8;
 ``--experts`` of them, 128 by default, 1.2 GB of bf16 expert weights per layer), random weights, a small
-vocabulary and attention. Each configuration runs as fresh processes (``moecompress apply`` with the
+vocabulary and attention. Calibration computes in ``calibration.dtype: auto``: bfloat16 where the CPU has a
+bfloat16 matmul kernel, float32 where it has not (AVX2-only x86; the row's ``compute_dtype``). Each configuration runs as fresh processes (``moecompress apply`` with the
 variables ``torchrun`` sets, ``OMP_NUM_THREADS=1``), each with its own statistics cache. Peak RSS and
 CPU seconds are each process's ``getrusage``; calibration seconds come from rank 0's ``report.json``.
 What runs on several ranks (``docs/distributed.md``): calibration (``--parallel auto``, the default: each
@@ -127,6 +128,22 @@ def launch(recipe: Path, world: int, spy: Path | None = None) -> dict:
             "units_worked": [r.get("units") for r in ranks]}  # fmt: skip
 
 
+def launch_twins(recipes: list[Path]) -> dict:
+    """One process per recipe, all at once and independent (no process group): what this machine gives that
+    many processes doing a whole run each. Each one's wall seconds (from the launch) and the slowest's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in recipes]  # fmt: skip
+    walls = []
+    for p in procs:
+        _, err = p.communicate()
+        walls.append(round(time.perf_counter() - t0, 2))
+        if p.returncode:
+            raise RuntimeError(f"twin failed ({p.returncode}): {err.strip().splitlines()[-1:] or ''}")
+    return {"wall_s": max(walls), "walls_s": walls}
+
+
 def _digest(out: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(out.rglob("*.safetensors")):
@@ -136,10 +153,10 @@ def _digest(out: Path) -> str:
 
 def measure(
     name: str, cfg: dict, model: Path, root: Path, cal: dict, mode: str = "auto", spy: Path | None = None,
-    chunk: int | None = None,
+    chunk: int | None = None, twins: bool = False,
 ) -> dict:
     """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
-    data-parallel whole layers)."""
+    data-parallel whole layers); ``twins``: then two one-process runs at once (:func:`launch_twins`)."""
     row: dict = {"pass": name, "config": cfg, "parallel": mode, "expert_chunk": chunk}
     digests, curves = {}, {}
     cal = {"source": "none"} if name in DATA_FREE else {**cal, "parallel": mode}
@@ -162,6 +179,7 @@ def measure(
         res["load_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         report = json.loads((root / f"out-{name}-{world}" / "report.json").read_text())
         res["calibration_s"] = report.get("calibration", {}).get("seconds")
+        res["compute_dtype"] = report.get("dry_run", {}).get("compute_dtype")
         if name in STAGES:
             (stage,) = (root / f"out-{name}-{world}" / "steps").glob(f"*-{name}")
             summ = json.loads((stage / "report.json").read_text())["summary"]
@@ -178,6 +196,21 @@ def measure(
     row["calibration_ratio"] = round(c1 / c2, 2) if c1 and c2 else None
     row["peak_ratio"] = round(max(row["ranks2"]["peak_gib"]) / row["ranks1"]["peak_gib"][0], 2)
     row["identical"] = digests[1] == digests[2]
+    if twins:
+        paths = []
+        for k in range(2):
+            rec = yaml.safe_load((root / f"{name}-1.yaml").read_text())
+            rec |= {"output": str(root / f"twin{k}-{name}"),
+                    "calibration": {**rec["calibration"], "cache_dir": str(root / f"cache-twin{k}-{name}")}}
+            paths.append(root / f"{name}-twin{k}.yaml")
+            paths[-1].write_text(yaml.safe_dump(rec))
+        os.sync()
+        row["twins"] = launch_twins(paths)
+        # two processes doing the whole run each, at once: 2 x one process's wall over theirs bounds what splitting
+        # the work over 2 ranks can give here (an upper bound: each rank still starts up whole)
+        row["ceiling"] = round(2 * row["ranks1"]["wall_s"] / row["twins"]["wall_s"], 2)
+        for k in range(2):
+            subprocess.run(["rm", "-rf", str(root / f"twin{k}-{name}"), str(root / f"cache-twin{k}-{name}")], check=False)
     if curves:
         row["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(curves[1], curves[2], strict=True))
     for world in (1, 2):
@@ -200,6 +233,8 @@ def main() -> None:
                     help="experts as noisy copies of this many bases per layer (many small merge groups)")
     ap.add_argument("--expert-chunk", type=int, default=None,
                     help="expert_chunk of every run (a merge then goes by units of groups, shared over the ranks)")
+    ap.add_argument("--twins", action="store_true",
+                    help="also run two one-process runs at once: the wall ratio this machine allows 2 processes")
     ap.add_argument("--py-spy", default=None, metavar="DIR",
                     help="profile every rank with py-spy (collapsed stacks in DIR; slows the runs a little)")
     args = ap.parse_args()
@@ -208,7 +243,7 @@ def main() -> None:
     if not model.exists():
         build(model, args.experts, args.layers, args.clusters)
     cal = {"source": "random", "samples": args.samples, "seq_len": args.seq_len, "batch_size": 2,
-           "dtype": "bfloat16", "holdout": 2}  # fmt: skip
+           "dtype": "auto", "holdout": 2}  # fmt: skip
     print(json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "experts": args.experts,
                       "layers": args.layers, "calibration": cal}), flush=True)  # fmt: skip
     rows = []
@@ -218,7 +253,8 @@ def main() -> None:
                 spy = Path(args.py_spy) if args.py_spy else None
                 if spy is not None:
                     spy.mkdir(parents=True, exist_ok=True)
-                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy, args.expert_chunk))
+                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy, args.expert_chunk,
+                                    args.twins))  # fmt: skip
             except RuntimeError as err:
                 rows.append({"pass": name, "parallel": mode, "error": str(err)})
             print(json.dumps(rows[-1]), flush=True)
@@ -238,6 +274,10 @@ def main() -> None:
               f"| {a['peak_gib'][0]}; {', '.join(map(str, b['peak_gib']))} | {r['peak_ratio']} "
               f"| {a['loop_peak_gib'][0]}; {', '.join(map(str, b['loop_peak_gib']))} | {r['identical']}{' (loss curves: ' + format(r['loss_rel_diff'], '.1e') + ')' if 'loss_rel_diff' in r else ''} "
               f"| {a['load_1min']}; {b['load_1min']} |")  # fmt: skip
+    for r in rows:
+        if "twins" in r:
+            print(f"{r['pass']}: two one-process runs at once {r['twins']['walls_s']} s against one alone "
+                  f"{r['ranks1']['wall_s']} s: this machine allows 2 processes at most {r['ceiling']}x")
     print(f"\nload average after: {os.getloadavg()}")
 
 

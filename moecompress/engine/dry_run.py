@@ -14,6 +14,7 @@ check that depends on them runs when the layer is compressed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from moecompress.calibration.catalogue import ALWAYS, backward_needed
 from moecompress.calibration.stats import SPILLED
 from moecompress.engine import follow, resources, segments, units
-from moecompress.engine.context import compute_dtype, resolve_device
+from moecompress.engine.context import compute_dtype, resolve_device, slow_dtype_note
 from moecompress.engine.distributed import Launch
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, PassError, RecipeError
@@ -31,6 +32,8 @@ from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import is_stock
 from moecompress.io.quantized import dequantized_output
 from moecompress.ir import MoELayer
+
+log = logging.getLogger(__name__)
 
 SMALL_INDEX = 1 << 20
 """Integer tensors up to this many elements (live widths, expert maps, member indices) are read for
@@ -136,6 +139,8 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint, launch: Launch | None = None) -> d
     needs = set() if c.data_free else set(recipe.needs) | ALWAYS
     check_extras(recipe)
     device = resolve_device(recipe.calibration.device)
+    if (note := slow_dtype_note(recipe, device)) is not None and (launch is None or launch.rank == 0):
+        log.warning(note)
     _check_propagation(recipe, needs)
     if not ckpt.moe_layer_indices:
         raise RecipeError(f"recipe field 'model': {ckpt.path} has no MoE layers")
@@ -205,6 +210,7 @@ def dry_run(recipe: Recipe, ckpt: Checkpoint, launch: Launch | None = None) -> d
         "written_steps": [s.label for s in written],
         "model_type": ckpt.model_type,
         "device": device,
+        "compute_dtype": str(dtype).removeprefix("torch."),
         "moe_layers": ckpt.moe_layer_indices,
         "steps": [s.label for s in recipe.steps],
         "statistics": sorted(needs),
