@@ -130,7 +130,8 @@ def launch(recipe: Path, world: int, spy: Path | None = None) -> dict:
 
 def launch_twins(recipes: list[Path]) -> dict:
     """One process per recipe, all at once and independent (no process group): what this machine gives that
-    many processes doing a whole run each. Each one's wall seconds (from the launch) and the slowest's."""
+    many processes doing a whole run each. The slowest one's wall seconds (from the launch), and each one's as
+    collected in launch order (a later one's is at least an earlier one's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r)], env=env, stdout=subprocess.PIPE,

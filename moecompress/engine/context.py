@@ -103,8 +103,9 @@ def fast_cpu_matmul(dtype: torch.dtype) -> bool:
     ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_``; elsewhere (an AVX2-only x86 CPU) they fall to a
     scalar loop (pytorch/pytorch#146508). Measured on an AVX2 AMD EPYC, torch 2.13, one thread, a
     [128, 2048] x [2048, 768] product: bfloat16 7x slower than float32 with the weight transposed (a forward),
-    150x with it as stored (a backward's input gradient); a 2-layer calibration at Qwen3-30B widths did not
-    finish in 8 minutes in bfloat16 (``benchmarks/RESULTS.md``, ninth session). If PyTorch does not say, the
+    150x with it as stored (a backward's input gradient); a 2-layer heapr run at Qwen3-30B widths took 80 s in
+    float32 and had not finished calibrating after 6 minutes in bfloat16 (``benchmarks/RESULTS.md``, ninth
+    session). If PyTorch does not say, the
     kernel is taken to be fast (nothing changes)."""
     check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
     if check is None:
