@@ -186,7 +186,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _size(text: str) -> int:
-    from moecompress.io.writer import parse_size
+    from moecompress.io.outputs import parse_size
 
     try:
         return parse_size(text)

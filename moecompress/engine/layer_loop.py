@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 from moecompress.engine.resources import release_freed
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint, provenance_block
 from moecompress.io.format import config_with_layers, encode_layer, encode_routing, layer_shape
+from moecompress.io.outputs import DEFAULT_MAX_SHARD_SIZE, check_output_dir
 from moecompress.io.quantized import check_stock_output, output_quantization_config
 from moecompress.io.raw import raw_layer_tensors
 from moecompress.io.reader import read_groups
 from moecompress.io.routing import stored_policy
-from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
+from moecompress.io.writer import ShardWriter
 from moecompress.ir import MoELayer
 
 

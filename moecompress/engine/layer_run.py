@@ -8,7 +8,7 @@ rows, infos, the reconstruction error, the writers' whole-layer records.
 
 A unit's own work is :mod:`moecompress.engine.unit_work`:
 
-- the whole layer (:func:`~moecompress.engine.unit_work.whole_parts`): read whole, every step with every
+- the whole layer (:func:`~moecompress.engine.whole_work.whole_parts`): read whole, every step with every
   rule it has (cross-expert steps, router or shared-expert changes, statistics that follow the layer);
   each step's part carries its report row and its tensors, written as the part is taken;
 - a unit of experts ``[a, b)`` (:func:`~moecompress.engine.unit_work.chunk_parts`): the layer's shell is
@@ -39,9 +39,10 @@ from moecompress.engine.group_work import unit_parts
 from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
 from moecompress.engine.shard import grouped_units, layer_chunks, send_command, share_choice
-from moecompress.engine.unit_work import ErrPart, StepPart, prepare, whole_parts
+from moecompress.engine.unit_work import ErrPart, StepPart, prepare
 from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
+from moecompress.engine.whole_work import whole_parts
 from moecompress.engine.wire import FileBytes
 from moecompress.errors import PassError
 from moecompress.io.format import encode_layer, encode_routing, layer_shape

@@ -106,7 +106,7 @@ class CalibrationConfig(BaseModel):
     @classmethod
     def _limit(cls, value: int | str | None) -> int | str | None:
         if value is not None:
-            from moecompress.io.writer import parse_size
+            from moecompress.io.outputs import parse_size
 
             parse_size(value)  # raises ValueError with the accepted forms
         return value
@@ -197,7 +197,7 @@ class _RecipeModel(BaseModel):
     @field_validator("max_shard_size")
     @classmethod
     def _size(cls, value: int | str) -> int | str:
-        from moecompress.io.writer import parse_size
+        from moecompress.io.outputs import parse_size
 
         parse_size(value)  # raises ValueError with the accepted forms
         return value

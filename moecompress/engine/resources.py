@@ -36,8 +36,8 @@ from moecompress.engine.peak import rss_bytes
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import RecipeError
 from moecompress.io.checkpoint import Checkpoint
+from moecompress.io.outputs import parse_size
 from moecompress.io.reader import read_groups
-from moecompress.io.writer import parse_size
 from moecompress.ir import MoELayer, cast_layer
 from moecompress.methods.attribution import ATTRIB_TOKENS, trace_bytes
 from moecompress.methods.mixture import AUTO_TOKENS

@@ -28,8 +28,9 @@ from moecompress.engine.recipe import Recipe
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import config_with_layers
+from moecompress.io.outputs import move_into_place
 from moecompress.io.quantized import output_quantization_config
-from moecompress.io.writer import ShardWriter, move_into_place
+from moecompress.io.writer import ShardWriter
 from moecompress.report.write import write_run_report, write_step_report
 
 

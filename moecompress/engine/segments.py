@@ -37,7 +37,7 @@ from moecompress.engine.spec import StageJob
 from moecompress.errors import MoecompressError, RecipeError
 from moecompress.hub.card import public_path, public_recipe, write_model_card
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
-from moecompress.io.writer import move_into_place, parse_size
+from moecompress.io.outputs import move_into_place, parse_size
 from moecompress.report.write import write_run_report, write_step_report
 
 GiB = 1024**3

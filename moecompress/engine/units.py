@@ -27,7 +27,7 @@ from moecompress.engine.context import RunContext
 from moecompress.engine.recipe import Recipe
 from moecompress.errors import MoecompressError, RecipeError
 from moecompress.io.checkpoint import Checkpoint
-from moecompress.io.writer import parse_size
+from moecompress.io.outputs import parse_size
 from moecompress.ir import MoELayer
 
 GiB = resources.GiB

@@ -50,7 +50,8 @@ from moecompress.adapters.base import PerExpertAdapter
 from moecompress.errors import CheckpointError
 from moecompress.extras import require
 from moecompress.io.checkpoint import Checkpoint, open_checkpoint
-from moecompress.io.writer import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_output_dir
+from moecompress.io.outputs import DEFAULT_MAX_SHARD_SIZE, check_output_dir
+from moecompress.io.writer import ShardWriter
 from moecompress.ir import MoELayer
 from moecompress.layouts.rtn import RTN
 from moecompress.methods.scalar_quant import quantize

@@ -77,27 +77,48 @@ def dequantize(
     return ((q - z).float() * scales.float()[..., None]).reshape(*lead, out, inn)
 
 
+BLOCK = 1 << 18
+"""Weights quantised at once by :func:`quantize_with_error` on a CPU (1 MiB of float32): its dozen passes over
+a block stay in the core's cache instead of streaming a chunk of experts through memory each time (8 experts
+of 768 x 2048, one thread, AMD EPYC: 0.20-0.23 s by whole experts, 0.07-0.09 s by blocks of 1 MiB to 4 MiB,
+0.14-0.23 s by 128 KiB)."""
+
+
 def quantize_with_error(
-    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False, block: int = BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`quantize` of ``w`` ``[M, out, in]`` and, from the same pass, ``‖W_m − Ŵ_m‖_F / ‖W_m‖_F`` per
     leading index ``m`` (float32 ``[M]``), ``Ŵ`` as :func:`dequantize` gives it: bit for bit the same
-    codes, scales, zero points and errors as ``quantize`` then ``dequantize`` (the rounded codes are
-    dequantised in place, in float32, where ``(q − z)`` is exact), without their int32 and extra float32
-    copies."""
+    codes, scales and zero points as ``quantize`` (the rounded codes are dequantised in place, in float32,
+    where ``(q − z)`` is exact). The work goes by blocks of whole rows (about ``block`` weights), each
+    through every step while it is in cache; the norms are summed over the blocks in float64, so the errors
+    equal the whole-tensor norms' to float32 rounding (not bit for bit: another order of summation)."""
     if bits not in BITS:
         raise LayoutError(f"bits={bits} is not supported; use one of {BITS}")
     m, out, inn = w.shape
     gs = group_width(inn, group_size)
-    g = w.to(torch.float32, copy=True).reshape(m, out, inn // gs, gs)
-    den = g.view(m, -1).norm(dim=1).clamp_min(1e-30)
-    scales, s, safe, z = _group_params(g, bits, symmetric)
-    qmax = (1 << bits) - 1
-    q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)
-    codes = q.to(torch.uint8).reshape(m, out, inn)
-    deq = q.sub_(z[..., None]).mul_(s[..., None])  # (q − z)·s, as dequantize computes it
-    num = deq.view(m, -1).sub_(w.reshape(m, -1)).norm(dim=1)
-    return codes, scales, None if symmetric else z.to(torch.uint8), num / den
+    ng, qmax = inn // gs, (1 << bits) - 1
+    codes = torch.empty(m, out, inn, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(m, out, ng, dtype=torch.float16, device=w.device)
+    zeros = None if symmetric else torch.empty(m, out, ng, dtype=torch.uint8, device=w.device)
+    num = torch.zeros(m, dtype=torch.float64, device=w.device)
+    den = torch.zeros(m, dtype=torch.float64, device=w.device)
+    step = max(1, block // inn) if w.device.type == "cpu" else out  # an accelerator: an expert at once
+    for e in range(m):
+        for r in range(0, out, step):
+            src = w[e, r : r + step]
+            g = src.to(torch.float32, copy=True).view(-1, ng, gs)
+            den[e] += torch.linalg.vector_norm(g).double().square()
+            sc, s, safe, z = _group_params(g, bits, symmetric)
+            scales[e, r : r + step] = sc
+            if zeros is not None:
+                zeros[e, r : r + step] = z
+            q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, qmax)
+            codes[e, r : r + step] = q.view(-1, inn)
+            deq = q.sub_(z[..., None]).mul_(s[..., None])  # (q − z)·s, as dequantize computes it
+            num[e] += torch.linalg.vector_norm(deq.view(-1, inn).sub_(src)).double().square()
+    err = num.sqrt() / den.sqrt().clamp_min(1e-30)
+    return codes, scales, zeros, err.to(torch.float32)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

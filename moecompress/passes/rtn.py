@@ -140,7 +140,8 @@ def quantize_bank(
     zeros = [w.new_zeros(0, out, g, dtype=torch.uint8)]
     errors: list[float] = []
     for a in range(0, len(ids), chunk):
-        q, s, z, err = quantize_with_error(w[ids[a : a + chunk]], bits, gs, symmetric)
+        part = w[a : a + chunk] if not rest else w[ids[a : a + chunk]]  # a view when no expert is kept dense
+        q, s, z, err = quantize_with_error(part, bits, gs, symmetric)
         errors += err.tolist()
         codes.append(pack_codes(q, bits))
         scales.append(s)
