@@ -15,6 +15,7 @@ import torch
 from moecompress.calibration.cache import load_layer
 from moecompress.engine.context import RunContext
 from moecompress.engine.follow import follower, split_kept
+from moecompress.engine.held_back import forward_by_pieces
 from moecompress.engine.protection import RENUMBER_KEY, TopActivation
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.engine.unit_work import StepPart, WholeStep
@@ -22,9 +23,8 @@ from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import encode_layer, layer_shape
 from moecompress.io.raw import raw_layer_tensors, raw_selection
 from moecompress.io.routing import stored_policy
-from moecompress.ir import MoELayer, cast_layer, layer_to
+from moecompress.ir import MoELayer, layer_to
 from moecompress.methods.metrics import relative_error, sqnr_db
-from moecompress.reference import moe_forward
 
 
 def whole_parts(
@@ -47,7 +47,7 @@ def whole_parts(
     hy, top0 = None, TopActivation()
     if hx is not None:  # the original block on the held-back tokens: the reference for every step
         hx = hx.to(dtype)
-        hy = moe_forward(layer_to(cast_layer(layer, dtype), dev), hx, top0)
+        hy = forward_by_pieces(layer, hx, dtype, dev, top0)
     errors = {"rel_error": 0.0, "sqnr_db": float("inf"), "massive_ratio": 1.0}  # of the unchanged layer
     follows, version, changed = follower(rec, stats[host], dtype), 0, False  # statistics follow the layer
     for s, step in enumerate(rec.steps):
@@ -70,7 +70,7 @@ def whole_parts(
         if hy is not None:
             if new is not layer:  # an unchanged layer keeps the errors it had (the error is cumulative)
                 top = TopActivation()
-                approx = moe_forward(layer_to(cast_layer(new, dtype), dev), hx, top)
+                approx = forward_by_pieces(new, hx, dtype, dev, top)
                 errors = {"rel_error": relative_error(hy, approx), "sqnr_db": sqnr_db(hy, approx),
                           "massive_ratio": top.value / top0.value if top0.value > 0 else 1.0}  # fmt: skip
             row.update(errors)
