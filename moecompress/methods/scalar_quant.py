@@ -78,10 +78,11 @@ def dequantize(
 
 
 BLOCK = 1 << 18
-"""Weights quantised at once by :func:`quantize_with_error` on a CPU (1 MiB of float32): its dozen passes over
-a block stay in the core's cache instead of streaming a chunk of experts through memory each time (8 experts
-of 768 x 2048, one thread, AMD EPYC: 0.20-0.23 s by whole experts, 0.07-0.09 s by blocks of 1 MiB to 4 MiB,
-0.14-0.23 s by 128 KiB)."""
+"""Weights quantised at once by :func:`quantize_with_error` on a CPU (1 MiB of float32). Its dozen passes over a
+block stay in the cache, and the block's temporaries are memory the allocator reuses; a chunk's experts as one
+float32 copy were fresh memory every time, and touching it cost more than the arithmetic
+(``benchmarks/layer_work.py``, 8 experts of 768 x 2048, one thread, AVX2 EPYC: 0.15 s all at once, 0.056-0.065 s
+by an expert or by blocks). Blocks keep a large expert (Mixtral's 14336 x 4096: 235 MB in float32) as cheap."""
 
 
 def quantize_with_error(

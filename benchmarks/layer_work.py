@@ -1,0 +1,102 @@
+"""The layer loop's per-layer work at Qwen3-30B widths, one thread: ``rtn``'s quantiser by blocks of rows
+against an expert at a time and against the chunk's 8 experts at once (before), and the held-back error's forward with the experts cast one at a time against the
+whole layer cast at once (the report's reconstruction error; calibration in float32 on an AVX2 CPU).
+
+    OMP_NUM_THREADS=1 python benchmarks/layer_work.py [--experts 128] [--rounds 3] [--json OUT]
+
+The layer: random bfloat16 experts of Qwen3-30B-A3B's shape (hidden 2048, width 768, top-8), saved by
+transformers' model class to a temporary directory and read back; 256 held-back tokens in float32. Each
+round times every variant once, interleaved; the table gives the best round. Both variants of a pair give
+the same bits (checked): the block size only changes how the work goes through the cache, the pieces only
+when the weights are cast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moecompress.engine.held_back import forward_by_pieces
+from moecompress.io.checkpoint import open_checkpoint
+from moecompress.ir import cast_layer, layer_to
+from moecompress.methods.scalar_quant import BLOCK, _group_params, quantize_with_error
+from moecompress.reference import moe_forward
+from moecompress.testing import save_tiny
+
+
+def layer(experts: int, root: Path):
+    """A Qwen3-30B-shaped MoE layer: transformers' own model saved (``root``) and read back by moecompress."""
+    save_tiny("qwen3_moe", root, dtype=torch.bfloat16, hidden_size=2048, moe_intermediate_size=768,
+              num_experts=experts, num_experts_per_tok=8, num_hidden_layers=1, vocab_size=64,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)  # fmt: skip
+    ckpt = open_checkpoint(root)
+    return ckpt.read_layer(ckpt.moe_layer_indices[0])
+
+
+def chunk_at_once(w: torch.Tensor, bits: int, gs: int):
+    """The quantiser before blocks (commit 75cc49e): the chunk's experts as one float32 copy, every step over
+    all of it (the same codes, scales and zero points)."""
+    m, out, inn = w.shape
+    g = w.to(torch.float32, copy=True).reshape(m, out, inn // gs, gs)
+    den = g.view(m, -1).norm(dim=1).clamp_min(1e-30)
+    scales, s, safe, z = _group_params(g, bits, False)
+    q = g.div_(safe[..., None]).round_().add_(z[..., None]).clamp_(0, (1 << bits) - 1)
+    codes = q.to(torch.uint8).reshape(m, out, inn)
+    num = q.sub_(z[..., None]).mul_(s[..., None]).view(m, -1).sub_(w.reshape(m, -1)).norm(dim=1)
+    return codes, scales, z.to(torch.uint8), num / den
+
+
+def timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        lay = layer(args.experts, Path(tmp) / "model")
+    hx = torch.randn(256, 2048)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    w = lay.experts.gate.dense()[:8]  # 8 experts: the rtn pass's chunk
+    whole = w.shape[1] * w.shape[2]
+    a, b, c = quantize_with_error(w, 4, 128, block=whole), quantize_with_error(w, 4, 128), chunk_at_once(w, 4, 128)
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a[:3], b[:3], c[:3], strict=True))
+    y0 = moe_forward(layer_to(cast_layer(lay, f32), cpu), hx)
+    assert torch.equal(y0, forward_by_pieces(lay, hx, f32, cpu))
+    del y0
+    runs = {
+        "rtn 8 experts, all at once (before)": lambda: chunk_at_once(w, 4, 128),
+        "rtn 8 experts, an expert at a time": lambda: quantize_with_error(w, 4, 128, block=whole),
+        f"rtn 8 experts, by blocks of {BLOCK} weights": lambda: quantize_with_error(w, 4, 128),
+        "held-back forward, the layer cast at once": lambda: moe_forward(layer_to(cast_layer(lay, f32), cpu), hx),
+        "held-back forward, an expert cast at a time": lambda: forward_by_pieces(lay, hx, f32, cpu),
+    }
+    best = {k: float("inf") for k in runs}
+    for _ in range(args.rounds):
+        for k, f in runs.items():
+            best[k] = min(best[k], timed(f))
+    out = {"experts": args.experts, "cpu": platform.processor() or platform.machine(),
+           "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "best_s": {k: round(v, 3) for k, v in best.items()}}  # fmt: skip
+    print(f"| work | best of {args.rounds} (s) |\n| --- | ---: |")
+    for k, v in best.items():
+        print(f"| {k} | {v:.3f} |")
+    print(json.dumps(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
