@@ -81,7 +81,7 @@ def forward_by_pieces(layer: MoELayer, hx: torch.Tensor, dtype, dev, observer=No
     out = torch.zeros(hx.shape, dtype=torch.float32, device=hx.device)
     acc: dict[str, torch.Tensor] = {}
     for first, piece in pieces:
-        b = cast_layer(layer_to(chunks.sub_layer(layer, piece, first), dev), dtype).experts
+        b = cast_layer(layer_to(chunks.sub_layer(light, piece, first), dev), dtype).experts  # light: already there
         expert_partials(b, hx, phys, weights, out, acc, observer, first)
     for space, value in acc.items():
         out += b.down.decode(space, value).float()
