@@ -78,16 +78,25 @@ def forward_by_pieces(layer: MoELayer, hx: torch.Tensor, dtype, dev, observer=No
     if observer is not None:
         observer.on_route(logits, ids, weights)
     phys = physical_ids(ids, layer.experts.num_experts)
-    out = torch.zeros(hx.shape, dtype=torch.float32, device=hx.device)
-    acc: dict[str, torch.Tensor] = {}
-    for first, piece in pieces:
-        b = cast_layer(layer_to(chunks.sub_layer(light, piece, first), dev), dtype).experts  # light: already there
-        expert_partials(b, hx, phys, weights, out, acc, observer, first)
-    for space, value in acc.items():
-        out += b.down.decode(space, value).float()
+    out = _routed_sum(light, bank, 0, hx, phys, weights, dev, dtype, observer)
     if light.shared is not None:
         out = out + shared_forward(light, hx, observer)
     return out.to(hx.dtype)
+
+
+def _routed_sum(shell: MoELayer, bank: ExpertBank, start: int, hx, phys, weights, dev, dtype, observer) -> torch.Tensor:
+    """The float32 sum on ``hx`` of the routed experts of ``bank`` (experts ``[start, start + n)`` of
+    ``shell``'s layer; ``phys`` ``[T, k]`` in ``[0, n]``, ``n``: not in the bank), each :data:`PIECE` of a dense
+    bank cast to ``dtype`` on ``dev`` as its turn comes. ``shell`` holds the router and the shared expert,
+    already cast and on ``dev`` (:func:`_router_part`), so a piece's sub-layer moves only its experts."""
+    out = torch.zeros(hx.shape, dtype=torch.float32, device=hx.device)
+    acc: dict[str, torch.Tensor] = {}
+    for first, piece in _pieces(bank, PIECE):
+        b = cast_layer(layer_to(chunks.sub_layer(shell, piece, start + first), dev), dtype).experts
+        expert_partials(b, hx, phys, weights, out, acc, observer, first)
+    for space, value in acc.items():
+        out += b.down.decode(space, value).float()
+    return out
 
 
 def _router_part(shell: MoELayer, dev, dtype) -> MoELayer:
@@ -126,17 +135,8 @@ class Errors:
         ids, w = self.routes[state]
         n = bank.num_experts
         local = torch.where((ids >= start) & (ids < start + n), ids - start, torch.full_like(ids, n))
-        phys = physical_ids(local, n)
-        out = torch.zeros(self.hx.shape, dtype=torch.float32, device=self.hx.device)
-        acc: dict[str, torch.Tensor] = {}
         top = TopActivation()
-        for first, piece in _pieces(bank, PIECE):
-            # (the sub-layer holds the state's router rows and shared expert, already on the device)
-            sub = chunks.sub_layer(self.shells[state], piece, start + first)
-            b = cast_layer(layer_to(sub, self.dev), self.dtype).experts
-            expert_partials(b, self.hx, phys, w, out, acc, top, first)
-        for space, value in acc.items():
-            out += b.down.decode(space, value).float()
+        out = _routed_sum(self.shells[state], bank, start, self.hx, physical_ids(local, n), w, self.dev, self.dtype, top)
         return ErrPart(state, out, top.value)
 
     def part_rows(self, state: int, bank: ExpertBank, local_of: torch.Tensor) -> ErrPart:
