@@ -37,9 +37,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from moecompress.calibration.chunk_buffer import ChunkBuffer
 from moecompress.calibration.skeleton import check_bank_finite, check_finite, run_batch, to_device
 from moecompress.calibration.stats import StatsCollector
 from moecompress.ir import ExpertBank, MoELayer
+from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_partials, physical_ids, route_logits, shared_forward
 
 
@@ -93,11 +95,45 @@ def ready_shell(shell: MoELayer, dtype: torch.dtype, device: torch.device) -> Mo
     )
 
 
-class ChunkedLayer:
-    """MoE layer ``i`` of ``skel``'s checkpoint in chunks of ``size`` experts."""
+def _plain(bank: ExpertBank) -> bool:
+    """A bank of dense experts in their full widths, no rotation: what :meth:`ChunkBuffer.take`'s tensors hold."""
+    lays = (bank.gate, bank.up, bank.down)
+    return all(isinstance(x, Dense) for x in lays) and bank.widths is None and bank.rotation is None
 
-    def __init__(self, skel, i: int, size: int) -> None:
+
+def read_into(ckpt, i: int, a: int, b: int, buf: ChunkBuffer, dtype, device, check: bool) -> ExpertBank:
+    """Routed experts ``[a, b)`` of MoE layer ``i`` in ``dtype`` on ``device``, read expert by expert into
+    ``buf``'s tensors (each checked for NaN/Inf first when ``check``): bit for bit
+    ``ready_bank(ckpt.read_experts(i, a, b), dtype, device)``. A bank of another layout is read whole."""
+    first = ckpt.read_experts(i, a, a + 1)
+    if not _plain(first):
+        bank = ckpt.read_experts(i, a, b)
+        if check:
+            check_bank_finite(i, bank, first=a)
+        return ready_bank(bank, dtype, device)
+    outs = {p: buf.take(p, (b - a, *getattr(first, p).weight.shape[1:]), dtype, device) for p in ("gate", "up", "down")}
+    biases: dict[str, list[torch.Tensor]] = {k: [] for k in first.biases}
+    for e in range(a, b):
+        one = first if e == a else ckpt.read_experts(i, e, e + 1)
+        if check:
+            check_bank_finite(i, one, first=e)
+        for p, out in outs.items():
+            out[e - a].copy_(getattr(one, p).weight[0])
+        for k, v in one.biases.items():
+            biases[k].append(v)
+        del one
+    return dataclasses.replace(first, gate=Dense(outs["gate"]), up=Dense(outs["up"]), down=Dense(outs["down"]),
+                               biases={k: torch.cat(v).to(device=device, dtype=dtype) for k, v in biases.items()})  # fmt: skip
+
+
+class ChunkedLayer:
+    """MoE layer ``i`` of ``skel``'s checkpoint in chunks of ``size`` experts, each read into ``buffer``
+    (default ``skel.chunk_buffer``, which the calibration's chunked layers share): a chunk's bank is valid until
+    the next chunk is read into the buffer."""
+
+    def __init__(self, skel, i: int, size: int, buffer: ChunkBuffer | None = None) -> None:
         self.skel, self.i = skel, i
+        self.buffer = skel.chunk_buffer if buffer is None else buffer
         self.dtype, self.device = skel.dtype, skel.device
         shell = skel.ckpt.read_layer_shell(i)
         check_finite(shell, experts=False)
@@ -117,10 +153,7 @@ class ChunkedLayer:
     def chunk(self, k: int, check: bool) -> tuple[int, ExpertBank]:
         """``(first expert, bank)`` of chunk ``k``, read (and checked) now."""
         a, b = self.ranges[k]
-        bank = self.skel.ckpt.read_experts(self.i, a, b)
-        if check:
-            check_bank_finite(self.i, bank, first=a)
-        return a, ready_bank(bank, self.dtype, self.device)
+        return a, read_into(self.skel.ckpt, self.i, a, b, self.buffer, self.dtype, self.device, check)
 
     def module(self) -> nn.Module:
         return self.skel.layer(self.i, block=self.recorder)

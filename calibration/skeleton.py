@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moecompress.calibration.chunk_buffer import ChunkBuffer
 from moecompress.errors import CheckpointError
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.ir import MoELayer, cast_layer, layer_to
@@ -146,6 +147,7 @@ class Skeleton:
         self.dtype = dtype
         self.device = torch.device(device)
         self._head: tuple[nn.Module, nn.Module] | None = None
+        self.chunk_buffer = ChunkBuffer()  # what chunks of experts are read into (calibration/chunked.py)
         config = copy.deepcopy(ckpt.config)
         config.use_cache = False
         with torch.device("meta"):

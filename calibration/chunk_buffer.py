@@ -1,0 +1,28 @@
+"""What chunks of experts are read into in expert-chunked calibration (:mod:`~moecompress.calibration.chunked`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ChunkBuffer:
+    """Per projection one tensor in the compute dtype on the device that every chunk of experts is read into,
+    expert by expert, and reused from chunk to chunk and layer to layer (:meth:`~moecompress.calibration.chunked.ChunkedLayer.chunk`).
+
+    A chunk read whole is its stacked copy in the checkpoint's dtype and then its cast: fresh memory for every
+    chunk of every layer (a chunk of 32 Qwen3-30B experts: 300 MB of bfloat16 and 600 MB of float32), and
+    touching fresh memory cost more than the copies (one thread, AMD EPYC, 8 chunks of 32:
+    7.1-12.4 s read and cast whole, 2.8-3.5 s expert by expert into the reused tensors,
+    ``benchmarks/RESULTS.md``). A bank taken from it is valid until the next chunk is read into it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``shape[0]`` rows of projection ``name``'s tensor, grown or replaced where it is too small
+        or of another shape, dtype or device."""
+        t = self._held.get(name)
+        if t is None or t.shape[0] < shape[0] or t.shape[1:] != shape[1:] or t.dtype != dtype or t.device != device:
+            self._held.pop(name, None)  # (the old one freed before the new one is made)
+            t = self._held[name] = torch.empty(shape, dtype=dtype, device=device)
+        return t[: shape[0]]
