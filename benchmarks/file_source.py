@@ -29,9 +29,9 @@ import json, sys, time
 mode, source, model, samples, seq_len, seed, split = sys.argv[1:8]
 samples, seq_len, seed = int(samples), int(seq_len), int(seed)
 import torch, transformers  # noqa: F401
-from moecompress.calibration import sources
+from moecompress.calibration import sources, tokenizing
 from moecompress.engine.peak import peak_rss_bytes
-tok = sources._load_tokenizer(sources.Path(model))
+tok = tokenizing._load_tokenizer(sources.Path(model))
 base = peak_rss_bytes()
 t0, c0 = time.perf_counter(), time.process_time()
 if mode == "sampled":
@@ -39,7 +39,7 @@ if mode == "sampled":
 else:  # the whole-text path (before issue 18): every file read and tokenised
     spec = sources._parse(source)
     texts = [sources._split_text(text, split) for _, text in sources._texts(spec)]
-    ids = sources._windows(sources._tokenise(tok, texts), samples, seq_len, seed, what=source)
+    ids = sources._windows(tokenizing._tokenise(tok, texts), samples, seq_len, seed, what=source)
 out = {"cpu": time.process_time() - c0, "wall": time.perf_counter() - t0, "base": base,
        "peak": peak_rss_bytes(), "shape": list(ids.shape),
        "min": int(ids.min()), "max": int(ids.max()), "text": tok.decode(ids[0].tolist())[:60]}

@@ -52,7 +52,7 @@ def main() -> int:
     from gpu_moe_baselines import VLLM_H200
     from gpu_moe_baselines import _kernels as vllm_kernels
 
-    from moecompress.kernels import codebook_gemv, combine, grouped_gemm, moe_align
+    from moecompress.kernels import codebook_gemv, codebook_gemv_kernels, combine, grouped_gemm, moe_align
 
     failures, n = [], 0
 
@@ -120,7 +120,7 @@ def main() -> int:
                compile_one(combine._kernel(), tk, ck, ("N",)), False)  # fmt: skip
     # K3 decode (issue 39): every bucket for codebook 4-bit per-row centroids, and each other format once;
     # the code words must be read with 16-byte vector loads (``ld.global.v4``)
-    gv = codebook_gemv._kernels()
+    gv = codebook_gemv_kernels._kernels()
     div = ("K", "stride_x", "n_inter", "sn", "se", "hsn", "hse", "n_words", "h_words", "k_split", "N", "split_in",
            "stride_ys", "split_stride")  # fmt: skip
     formats = [("codebook4 row", 0, 4, False, 1, True)] * len(codebook_gemv.DECODE_CONFIGS)

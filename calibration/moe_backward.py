@@ -36,7 +36,8 @@ import torch
 from moecompress.calibration.chunk_buffer import ChunkBuffer
 from moecompress.calibration.chunked import ChunkedLayer
 from moecompress.calibration.skeleton import to_device
-from moecompress.calibration.stats import StatsCollector, merge_round
+from moecompress.calibration.stats import StatsCollector
+from moecompress.calibration.stats_exchange import merge_round
 from moecompress.ir import ExpertBank
 from moecompress.reference import expert_forward, shared_forward
 

@@ -25,7 +25,8 @@
 - ``"random"``: uniform token ids in ``[0, vocab_size)`` (``config.json`` in ``model_dir``); no
   tokenizer needed. For tests and benchmarks of models without tokenizer files.
 
-Text sources are tokenised with the model's own tokenizer files in ``model_dir`` (never remote code).
+Text sources are tokenised with the model's own tokenizer files in ``model_dir`` (never remote code;
+:mod:`moecompress.calibration.tokenizing`).
 Held-out split: the last 2% of each text (``len(text) // 50`` characters; each file, each builtin
 module, each dataset is one text) is ``"eval"``, the rest is ``"calibration"``; they never overlap.
 Random draws use ``torch.Generator().manual_seed(seed)``; two ways, chosen by the split's size:
@@ -64,6 +65,7 @@ import torch
 from moecompress.errors import CalibrationError, MoecompressError
 
 from .builtin_text import builtin_texts
+from .tokenizing import _encode, _load_tokenizer, _tokenise, _tokenizer_files
 from .windows import (  # noqa: F401 (EVAL_DIVISOR, _split_text, _READ_BYTES_PER_TOKEN: used by callers)
     _READ_BYTES_PER_TOKEN,
     EVAL_DIVISOR,
@@ -78,10 +80,6 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("calibration", "eval")
 FORMS = "builtin, random, file:PATH[,PATH...], a path, hf:FORMAT:PATH (text, json, csv, parquet, disk) or hf:NAME[:CONFIG][@SPLIT]"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
-)  # fmt: skip
 _FINGERPRINT_VERSION = 2  # 2: large splits are sampled by windows
 HF_LOCAL = {  # hf:FORMAT:PATH -> the file names a directory contributes
     "text": ("*.txt",), "json": ("*.json", "*.jsonl"), "csv": ("*.csv",), "parquet": ("*.parquet",), "disk": (),
@@ -89,8 +87,6 @@ HF_LOCAL = {  # hf:FORMAT:PATH -> the file names a directory contributes
 _HF_FORMS = "hf:text|json|csv|parquet:PATH[,PATH...][#COLUMN], hf:disk:DIR[@SPLIT][#COLUMN] or hf:NAME[:CONFIG][@SPLIT][#COLUMN]"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _COLUMN = re.compile(r"#([A-Za-z_][\w.-]*)$")
-_CHUNK_CHARS = 1 << 16
-_LINE_START = re.compile(r"\n(?=\S)")
 
 
 @dataclass(frozen=True)
@@ -336,73 +332,7 @@ def _hf_texts(spec: _Source) -> list[tuple[str, str]]:
     return [(where, "\n".join(t for t in rows if isinstance(t, str) and t.strip()))]
 
 
-# --- tokenizer and sampling --------------------------------------------------------------------------
-
-
-def _tokenizer_files(model_dir: Path) -> list[Path]:
-    found = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
-    if not any(p.name != "special_tokens_map.json" and p.name != "added_tokens.json" for p in found):
-        raise CalibrationError(
-            f"no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...) in {model_dir}; "
-            "add the model's tokenizer files there, or use source: random"
-        )
-    return found
-
-
-def _load_tokenizer(model_dir: Path):
-    files = {p.name for p in _tokenizer_files(model_dir)}
-    try:
-        if "tokenizer.json" in files and "tokenizer_config.json" not in files:
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
-    except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CalibrationError(
-            f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {reason}); "
-            "fix its tokenizer files or use source: random"
-        ) from None
-
-
-def _chunks(text: str) -> list[str]:
-    """Cut long text at line starts (exact for byte-level BPE) so the fast tokenizer can batch it."""
-    pieces, start = [], 0
-    while start < len(text):
-        m = _LINE_START.search(text, start + _CHUNK_CHARS)
-        end = m.end() if m else len(text)
-        pieces.append(text[start:end])
-        start = end
-    return pieces
-
-
-def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # encode_batch_fast skips offsets (tokenizers >= 0.21)
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
-    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _tokenise(tokenizer, texts: list[str]) -> torch.Tensor:
-    pieces = [_chunks(t) for t in texts if t]
-    flat = [p for ps in pieces for p in ps]
-    encoded = _encode(tokenizer, flat)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    sep = [eos] if isinstance(eos, int) else tokenizer.encode("\n", add_special_tokens=False)
-    ids: list[int] = []
-    pos = 0
-    for ps in pieces:
-        if ids:
-            ids.extend(sep)
-        for seq in encoded[pos : pos + len(ps)]:
-            ids.extend(seq)
-        pos += len(ps)
-    return torch.tensor(ids, dtype=torch.int64)
+# --- sampling and digests ---------------------------------------------------------------------------
 
 
 def _windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int, *, what: str) -> torch.Tensor:

@@ -10,7 +10,8 @@ output ``[n, H]``, ``g`` the gradient of the LM loss (mean token NLL over the ca
 
 Forward statistics are means over the calibration (non-held-back) tokens; backward statistics come
 from the executor's streamed backward. Counts use logical router ids for routing statistics and
-physical expert ids for expert internals (identical unless experts were merged).
+physical expert ids for expert internals (identical unless experts were merged). Moving the sums between
+collectors (data-parallel rounds, expert-sharded rows): :mod:`moecompress.calibration.stats_exchange`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 import math
 
 import torch
-from safetensors.torch import load, save
 
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.grams import WardOutputs
+from moecompress.calibration.stats_exchange import CollectorExchange
 from moecompress.errors import CheckpointError
 from moecompress.ir import MoELayer
 from moecompress.methods.mixture import AUTO_TOKENS
@@ -32,10 +33,6 @@ expert. A layer calibrated by chunks of experts keeps their float64 sums for the
 its chunk-outer sweep is done they are finished and handed out (:meth:`StatsCollector.spill`) to be
 written apart (``calibration/cache.py``, :func:`~moecompress.calibration.cache.save_experts`)."""
 
-PER_EXPERT = ("act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "expert_out_norm_mean", "reap_saliency",
-              "down_in_cov", "grad_sq_mean")  # fmt: skip
-"""The sums with one row per expert (what :meth:`StatsCollector.expert_rows` moves between ranks)."""
-
 IMPLIED = (
     ("expert_out_gram", "io_sample"),
     ("expert_out_gram_fisher", "out_grad_cov"),
@@ -44,7 +41,7 @@ IMPLIED = (
 """``(statistic, what the collector keeps to compute it)``."""
 
 
-class StatsCollector:
+class StatsCollector(CollectorExchange):
     """An :class:`~moecompress.reference.Observer` accumulating the requested statistics of one layer.
 
     ``mode`` is ``"stats"`` (forward statistics), ``"holdout"`` (only the held-back inputs/outputs used
@@ -356,104 +353,3 @@ class StatsCollector:
                 "finite); the checkpoint is damaged, or calibration.dtype overflows: try float32"
             )
         return out
-
-    # -- data-parallel calibration (calibration/sweep.py) ---------------------------------------------
-    def take_round(self) -> dict[str, torch.Tensor]:
-        """This round's contributions (one batch) as CPU tensors, and a fresh start for the next round."""
-        if self._attr is not None:  # pragma: no cover - refused before calibration starts
-            raise CheckpointError("route_attrib is not collected data-parallel")
-        out = {"n/tokens": torch.tensor(self._n_tokens), "n/grad_tokens": torch.tensor(self._n_grad_tokens)}
-        out |= {f"s/{k}": v.cpu() for k, v in self._sums.items()}
-        out |= {f"q/{k}": torch.stack(v).cpu() for k, v in (self._seq or {}).items()}
-        out |= {f"c/{k}": v.clone() for k, v in self._counts.items()}
-        out |= {f"io/{k}": torch.cat(v) for k, v in self._io.items() if v}
-        for k, (best, chan) in self._absmax.items():
-            out[f"ax/{k}"], out[f"ai/{k}"] = best.clone(), chan.clone()
-        self._sums, self._counts, self._absmax = {}, {}, {}
-        self._seq = {} if self._seq is not None else None
-        self._io = {k: [] for k in self._io}
-        self._n_tokens = self._n_grad_tokens = 0
-        return out
-
-    def add_round(self, part: dict[str, torch.Tensor]) -> None:
-        """Add one batch's :meth:`take_round` as the single process would have added it, bit for bit:
-        per-expert sums get one addition per batch, the unindexed ones each of theirs in order."""
-        self._n_tokens += int(part["n/tokens"])
-        self._n_grad_tokens += int(part["n/grad_tokens"])
-        for key, v in part.items():
-            kind, _, name = key.partition("/")
-            if kind == "s":
-                if name not in self._sums:
-                    self._sums[name] = torch.zeros_like(v)
-                self._sums[name] += v
-            elif kind == "q":
-                for one in v:
-                    if name not in self._sums:
-                        self._sums[name] = torch.zeros_like(one)
-                    self._sums[name] += one
-            elif kind == "c":
-                if name not in self._counts:
-                    self._counts[name] = torch.zeros_like(v)
-                self._counts[name] += v
-            elif kind == "io":
-                self._keep(name, v)
-            elif kind == "ax":
-                if name not in self._absmax:
-                    self._absmax[name] = (torch.zeros_like(v), torch.zeros_like(part[f"ai/{name}"]))
-                best, chan = self._absmax[name]
-                more = v > best
-                best[more], chan[more] = v[more], part[f"ai/{name}"][more]
-
-    # -- expert-sharded calibration (calibration/expert_sharded.py) -----------------------------------
-    def expert_rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        """Rows ``a..b`` of every per-expert sum, count and maximum, as CPU tensors: what the rank that ran
-        experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`).
-        With ``spill``, the :data:`SPILLED` sums not yet handed out by :meth:`spill` come too (released here):
-        that rank holds only its own experts' covariances."""
-        out = {f"s/{k}": v[a:b].cpu().clone() for k, v in self._sums.items() if k in PER_EXPERT}
-        for name, apart in self._apart.items():  # spill=True: the float64 sums of the experts not handed out
-            rows = [apart.pop(e, None) for e in range(a, b)]
-            if any(r is not None for r in rows):
-                like = next(r for r in rows if r is not None)
-                out[f"s/{name}"] = torch.stack([torch.zeros_like(like) if r is None else r for r in rows]).cpu()
-        out |= {f"c/{k}": v[a:b].clone() for k, v in self._counts.items()}
-        if "down_out" in self._absmax:
-            best, chan = self._absmax["down_out"]
-            out["ax/down_out"], out["ai/down_out"] = best[a:b].clone(), chan[a:b].clone()
-        return out
-
-    def put_expert_rows(self, a: int, b: int, part: dict[str, torch.Tensor]) -> None:
-        """Take another rank's :meth:`expert_rows` of experts ``[a, b)`` in place of this collector's own
-        (which saw no token of those experts): the rows are copied, so they keep their bits."""
-        e = self.layer.experts.num_experts
-        for key, v in part.items():
-            kind, _, name = key.partition("/")
-            if kind == "s":
-                if name not in self._sums:
-                    self._sums[name] = torch.zeros((e, *v.shape[1:]), dtype=v.dtype)
-                self._sums[name][a:b] = v.to(self._sums[name].device)
-            elif kind == "c":
-                if name not in self._counts:
-                    self._counts[name] = torch.zeros(e, dtype=v.dtype)
-                self._counts[name][a:b] = v
-            elif kind == "ax":
-                if name not in self._absmax:
-                    self._absmax[name] = (torch.zeros(e), torch.zeros(e, dtype=torch.long))
-                best, chan = self._absmax[name]
-                best[a:b], chan[a:b] = v, part[f"ai/{name}"]
-
-    def merge_backward(self, other: StatsCollector) -> None:
-        """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""
-        for name in ("grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled"):
-            if name in other._sums:
-                self._sums[name] = other._sums[name]
-        if "grad_tokens" in other._counts:
-            self._counts["grad_tokens"] = other._counts["grad_tokens"]
-        self._n_grad_tokens = other._n_grad_tokens
-
-
-def merge_round(group, col: StatsCollector, total: StatsCollector) -> None:
-    """One round of data-parallel calibration: every rank's batch contribution (``col``, made with
-    ``rounds=True``), added into ``total`` in rank order (= batch order)."""
-    for blob in group.all_gather_bytes(save(col.take_round())):
-        total.add_round(load(blob))

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from moecompress.calibration.catalogue import backward_needed
 from moecompress.calibration.skeleton import Skeleton, all_finite, check_finite, run_batch, to_device
-from moecompress.calibration.stats import SPILLED, StatsCollector, merge_round
+from moecompress.calibration.stats import SPILLED, StatsCollector
+from moecompress.calibration.stats_exchange import merge_round
 from moecompress.calibration.trace import RoutingTrace
 from moecompress.errors import CheckpointError, RecipeError
 from moecompress.ir import MoELayer

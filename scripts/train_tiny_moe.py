@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moecompress.calibration.sources import _chunks  # the same line-start cutting as calibration
+from moecompress.calibration.tokenizing import _chunks  # the same line-start cutting as calibration
 
 EOS = "<|endoftext|>"
 EVAL_DIVISOR = 50  # the last len(text) // 50 characters (2%) of each file are held out

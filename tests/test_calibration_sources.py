@@ -13,7 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moecompress.calibration import sources
+from moecompress.calibration import sources, tokenizing
 from moecompress.calibration.builtin_text import builtin_texts
 from moecompress.calibration.sources import CalibrationError, load_token_ids, source_fingerprint
 from moecompress.errors import MissingExtraError, MoecompressError
@@ -107,10 +107,10 @@ def test_tokenizer_config_loads_with_auto_tokenizer_and_eos_joins_files(tmp_path
     _save_tokenizer(tmp_path, 300, special=["<eos>"])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = sources._load_tokenizer(tmp_path)
+    tok = tokenizing._load_tokenizer(tmp_path)
     eos = tok.convert_tokens_to_ids("<eos>")
     assert tok.eos_token_id == eos
-    ids = sources._tokenise(tok, ["hello world " * 20, "", "goodbye moon " * 20])
+    ids = tokenizing._tokenise(tok, ["hello world " * 20, "", "goodbye moon " * 20])
     assert int((ids == eos).sum()) == 1  # one separator between the two non-empty texts
     (tmp_path / "a.txt").write_text("hello world " * 200)
     assert load(f"file:{tmp_path / 'a.txt'}", tmp_path).shape == (4, 32)
@@ -477,10 +477,10 @@ def test_small_splits_are_tokenised_whole_as_before(tmp_path, model_dir):
     text = _numbered_text(60)  # ~3 kB, less than 16 bytes per requested token
     path = tmp_path / "small.txt"
     path.write_text(text)
-    tok = sources._load_tokenizer(model_dir)
+    tok = tokenizing._load_tokenizer(model_dir)
     for split, samples in (("calibration", 8), ("eval", 2)):
         got = load(f"file:{path}", model_dir, samples=samples, seq_len=24, seed=5, split=split)
-        ids = sources._tokenise(tok, [sources._split_text(text, split)])
+        ids = tokenizing._tokenise(tok, [sources._split_text(text, split)])
         assert torch.equal(got, sources._windows(ids, samples, 24, 5, what="t")), split
 
 
@@ -490,12 +490,12 @@ def test_ranges_too_short_for_a_window_fall_back_to_the_whole_text(tmp_path, mod
     words = " ".join(t for _, t in builtin_texts()).split()
     for i in range(200):  # 200 files of ~6 words: no file holds a 48-token window
         (d / f"{i:03d}.txt").write_text(" ".join(words[6 * i : 6 * i + 6]))
-    tok = sources._load_tokenizer(model_dir)
+    tok = tokenizing._load_tokenizer(model_dir)
     with caplog.at_level(logging.INFO, logger=sources.__name__):
         got = load(f"file:{d}", model_dir, samples=2, seq_len=48, seed=0)
     assert "tokenising it whole" in caplog.text
     texts = [sources._split_text(p.read_text(), "calibration") for p in sorted(d.glob("*.txt"))]
-    assert torch.equal(got, sources._windows(sources._tokenise(tok, texts), 2, 48, 0, what="t"))
+    assert torch.equal(got, sources._windows(tokenizing._tokenise(tok, texts), 2, 48, 0, what="t"))
 
 
 def test_a_large_file_is_checked_for_utf8_beyond_the_windows(tmp_path, model_dir):

@@ -13,7 +13,7 @@ import torch
 from tiny import save_tiny
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moecompress.calibration import sources
+from moecompress.calibration import sources, tokenizing
 from moecompress.calibration.builtin_text import builtin_texts
 from moecompress.cli import main as cli_main
 from moecompress.errors import MissingExtraError, MoecompressError
@@ -141,7 +141,7 @@ def _count_forwards(model) -> list[int]:
 def test_harness_scores_exactly_our_loaded_model(tiny_dir):
     from lm_eval.api.instance import Instance
 
-    model, tok = _perturbed(tiny_dir), sources._load_tokenizer(tiny_dir)
+    model, tok = _perturbed(tiny_dir), tokenizing._load_tokenizer(tiny_dir)
     calls = _count_forwards(model)
     lm = mlm.wrap(model, tok)
     assert lm.model is model and lm.max_length == 64
@@ -158,7 +158,7 @@ def test_harness_scores_exactly_our_loaded_model(tiny_dir):
 
 
 def test_evaluate_runs_the_bundled_tasks_on_the_loaded_model(tiny_dir):
-    model, tok = _perturbed(tiny_dir), sources._load_tokenizer(tiny_dir)
+    model, tok = _perturbed(tiny_dir), tokenizing._load_tokenizer(tiny_dir)
     limit = 12
     r = evaluate(model, tokenizer=tiny_dir, seq_len=SEQ, max_tokens=2 * SEQ, tasks=TASKS, limit=limit)
     assert set(r["tasks"]) == set(TASKS) and r["task_harness"]["limit"] == limit and "perplexity" in r

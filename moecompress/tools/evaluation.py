@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from moecompress.calibration import sources
+from moecompress.calibration import sources, tokenizing
 from moecompress.calibration.sources import CalibrationError
 from moecompress.errors import MoecompressError
 
@@ -156,9 +156,9 @@ def _tasks(net, base, tokenizer_dir, tasks, task_dir, limit) -> dict:
     held_out_ids([], tokenizer_dir, what=_name(net))  # one line when there are no tokenizer files
     directory = Path(tokenizer_dir).expanduser()
     with _eval_mode(net), _eval_mode(base):  # a tokenizer per model: lm-eval may set its pad token
-        out = run_tasks(net, sources._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
+        out = run_tasks(net, tokenizing._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
         if base is not None:
-            again = run_tasks(base, sources._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
+            again = run_tasks(base, tokenizing._load_tokenizer(directory), tasks, task_dir=task_dir, limit=limit)
             out["base_tasks"] = again["tasks"]
     return out
 
@@ -172,7 +172,7 @@ def held_out_ids(texts: list, tokenizer_dir: str | Path | None, *, what: str = "
         )
     tokenizer_dir = Path(tokenizer_dir).expanduser()
     try:
-        sources._tokenizer_files(tokenizer_dir)
+        tokenizing._tokenizer_files(tokenizer_dir)
     except CalibrationError:
         raise CalibrationError(
             f"no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...) in {tokenizer_dir}: "
@@ -182,7 +182,7 @@ def held_out_ids(texts: list, tokenizer_dir: str | Path | None, *, what: str = "
     held_out = [
         sources._split_text(text, "eval") for t in texts for _, text in sources._texts(_parse_text(t))
     ]
-    return sources._tokenise(sources._load_tokenizer(tokenizer_dir), held_out)
+    return tokenizing._tokenise(tokenizing._load_tokenizer(tokenizer_dir), held_out)
 
 
 # --- arguments, models, tokens ------------------------------------------------------------------------
