@@ -1,6 +1,8 @@
-"""The layer loop's per-layer work at Qwen3-30B widths, one thread: ``rtn``'s quantiser by blocks of rows
-against an expert at a time and against the chunk's 8 experts at once (before), and the held-back error's forward with the experts cast one at a time against the
-whole layer cast at once (the report's reconstruction error; calibration in float32 on an AVX2 CPU).
+"""The per-layer work at Qwen3-30B widths, one thread: ``rtn``'s quantiser by blocks of rows against an
+expert at a time and against the chunk's 8 experts at once (before); the held-back error's forward with the
+experts cast one at a time against the whole layer cast at once (the report's reconstruction error); and
+calibration's reads of a layer's chunks of 32 experts (2 ranks' chunks) in float32, expert by expert into the
+reused chunk buffer against each chunk stacked and cast whole (before).
 
     OMP_NUM_THREADS=1 python benchmarks/layer_work.py [--experts 128] [--rounds 3] [--json OUT]
 
@@ -8,7 +10,7 @@ The layer: random bfloat16 experts of Qwen3-30B-A3B's shape (hidden 2048, width 
 transformers' model class to a temporary directory and read back; 256 held-back tokens in float32. Each
 round times every variant once, interleaved; the table gives the best round. Both variants of a pair give
 the same bits (checked): the block size only changes how the work goes through the cache, the pieces only
-when the weights are cast.
+when the weights are cast, the buffer only where the chunk's bytes go.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from moecompress.calibration.chunk_buffer import ChunkBuffer
+from moecompress.calibration.chunked import read_into, ready_bank
+from moecompress.engine.chunks import bounds
 from moecompress.engine.held_back import forward_by_pieces
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.ir import cast_layer, layer_to
@@ -35,8 +40,7 @@ def layer(experts: int, root: Path):
     save_tiny("qwen3_moe", root, dtype=torch.bfloat16, hidden_size=2048, moe_intermediate_size=768,
               num_experts=experts, num_experts_per_tok=8, num_hidden_layers=1, vocab_size=64,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=768)  # fmt: skip
-    ckpt = open_checkpoint(root)
-    return ckpt.read_layer(ckpt.moe_layer_indices[0])
+    return open_checkpoint(root)
 
 
 def chunk_at_once(w: torch.Tensor, bits: int, gs: int):
@@ -66,7 +70,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        lay = layer(args.experts, Path(tmp) / "model")
+        run(args, layer(args.experts, Path(tmp) / "model"))
+
+
+def run(args, ckpt) -> None:
+    i = ckpt.moe_layer_indices[0]
+    lay = ckpt.read_layer(i)
     hx = torch.randn(256, 2048)
     cpu, f32 = torch.device("cpu"), torch.float32
     w = lay.experts.gate.dense()[:8]  # 8 experts: the rtn pass's chunk
@@ -76,12 +85,28 @@ def main() -> None:
     y0 = moe_forward(layer_to(cast_layer(lay, f32), cpu), hx)
     assert torch.equal(y0, forward_by_pieces(lay, hx, f32, cpu))
     del y0
+    buf, parts = ChunkBuffer(), bounds(args.experts, 32)
+    for a, b in parts:
+        want, got = ready_bank(ckpt.read_experts(i, a, b), f32, cpu), read_into(ckpt, i, a, b, buf, f32, cpu, True)
+        assert all(torch.equal(getattr(want, p).weight, getattr(got, p).weight) for p in ("gate", "up", "down"))
+    del want, got
+
+    def whole_chunks():
+        for a, b in parts:
+            ready_bank(ckpt.read_experts(i, a, b), f32, cpu)
+
+    def into_buffer():
+        for a, b in parts:
+            read_into(ckpt, i, a, b, buf, f32, cpu, True)
+
     runs = {
         "rtn 8 experts, all at once (before)": lambda: chunk_at_once(w, 4, 128),
         "rtn 8 experts, an expert at a time": lambda: quantize_with_error(w, 4, 128, block=whole),
         f"rtn 8 experts, by blocks of {BLOCK} weights": lambda: quantize_with_error(w, 4, 128),
         "held-back forward, the layer cast at once": lambda: moe_forward(layer_to(cast_layer(lay, f32), cpu), hx),
         "held-back forward, an expert cast at a time": lambda: forward_by_pieces(lay, hx, f32, cpu),
+        f"calibration reads, {len(parts)} chunks of 32 stacked and cast (before)": whole_chunks,
+        f"calibration reads, {len(parts)} chunks of 32 expert by expert into the chunk buffer": into_buffer,
     }
     best = {k: float("inf") for k in runs}
     for _ in range(args.rounds):
