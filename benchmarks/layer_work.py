@@ -2,7 +2,8 @@
 expert at a time and against the chunk's 8 experts at once (before); the held-back error's forward with the
 experts cast one at a time against the whole layer cast at once (the report's reconstruction error); and
 calibration's reads of a layer's chunks of 32 experts (2 ranks' chunks) in float32, expert by expert into the
-reused chunk buffer against each chunk stacked and cast whole (before).
+reused chunk buffer against each chunk stacked and cast whole (before); and one process's cast of the layer it
+holds whole, into the same buffer against fresh memory (before).
 
     OMP_NUM_THREADS=1 python benchmarks/layer_work.py [--experts 128] [--rounds 3] [--json OUT]
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from moecompress.calibration.chunk_buffer import ChunkBuffer
-from moecompress.calibration.chunked import read_into, ready_bank
+from moecompress.calibration.chunked import cast_into, read_into, ready_bank
 from moecompress.engine.chunks import bounds
 from moecompress.engine.held_back import forward_by_pieces
 from moecompress.io.checkpoint import open_checkpoint
@@ -91,6 +92,8 @@ def run(args, ckpt) -> None:
         assert all(torch.equal(getattr(want, p).weight, getattr(got, p).weight) for p in ("gate", "up", "down"))
     del want, got
 
+    assert torch.equal(cast_into(lay, buf, f32, cpu).experts.down.weight, cast_layer(lay, f32).experts.down.weight)
+
     def whole_chunks():
         for a, b in parts:
             ready_bank(ckpt.read_experts(i, a, b), f32, cpu)
@@ -107,6 +110,8 @@ def run(args, ckpt) -> None:
         "held-back forward, an expert cast at a time": lambda: forward_by_pieces(lay, hx, f32, cpu),
         f"calibration reads, {len(parts)} chunks of 32 stacked and cast (before)": whole_chunks,
         f"calibration reads, {len(parts)} chunks of 32 expert by expert into the chunk buffer": into_buffer,
+        "calibration, the layer held whole cast to float32, fresh (before)": lambda: layer_to(cast_layer(lay, f32), cpu),
+        "calibration, the layer held whole cast into the chunk buffer": lambda: cast_into(lay, buf, f32, cpu),
     }
     best = {k: float("inf") for k in runs}
     for _ in range(args.rounds):

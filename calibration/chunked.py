@@ -40,7 +40,7 @@ from torch import nn
 from moecompress.calibration.chunk_buffer import ChunkBuffer
 from moecompress.calibration.skeleton import check_bank_finite, check_finite, run_batch, to_device
 from moecompress.calibration.stats import StatsCollector
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import ExpertBank, MoELayer, cast_layer, layer_to
 from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_partials, physical_ids, route_logits, shared_forward
 
@@ -124,6 +124,21 @@ def read_into(ckpt, i: int, a: int, b: int, buf: ChunkBuffer, dtype, device, che
         del one
     return dataclasses.replace(first, gate=Dense(outs["gate"]), up=Dense(outs["up"]), down=Dense(outs["down"]),
                                biases={k: torch.cat(v).to(device=device, dtype=dtype) for k, v in biases.items()})  # fmt: skip
+
+
+def cast_into(layer: MoELayer, buf: ChunkBuffer, dtype: torch.dtype, device: torch.device) -> MoELayer:
+    """``layer_to(cast_layer(layer, dtype), device)``, bit for bit, with a dense routed bank that needs a cast
+    or a move copied into ``buf``'s tensors instead of fresh ones (a Qwen3-30B layer in float32 is 2.4 GB); valid
+    until the next chunk or layer is read into ``buf``. The layer held whole in calibration, one process or
+    data-parallel (:func:`~moecompress.calibration.sweep.run_calibration`)."""
+    bank = layer.experts
+    w = bank.gate.weight if isinstance(bank.gate, Dense) else None
+    if not _plain(bank) or w is None or (w.dtype == dtype and w.device == device):
+        return layer_to(cast_layer(layer, dtype), device)
+    moved = {p: Dense(buf.take(p, tuple(getattr(bank, p).weight.shape), dtype, device).copy_(getattr(bank, p).weight))
+             for p in ("gate", "up", "down")}  # fmt: skip
+    # the rest cast and moved as always (the experts' tensors, already in dtype on device, are kept as they are)
+    return layer_to(cast_layer(layer.replace(experts=dataclasses.replace(bank, **moved)), dtype), device)
 
 
 class ChunkedLayer:

@@ -276,7 +276,8 @@ def run_calibration(
                 base_outs, base_logits = base.run(skel, i, moe, kwargs, sample_tokens)
             col = StatsCollector(moe, needs, sample_tokens, rounds=group is not None) if moe is not None else None
             total = StatsCollector(moe, needs, sample_tokens) if group is not None and moe is not None else None
-            mod = skel.layer(i, moe, col)
+            # the routed experts cast into the chunk buffer (reused layer after layer), not into fresh memory
+            mod = skel.layer(i, None if moe is None else chunked.cast_into(moe, skel.chunk_buffer, skel.dtype, skel.device), col)
             outs = []
             with torch.no_grad():
                 for b in range(rounds):  # b: this rank's batch; every rank takes part in every round
@@ -326,7 +327,7 @@ def run_calibration(
 
 def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progress, chunks, share,
               shard_backward: Callable[[int], bool], sample_tokens: int = 512) -> float:  # fmt: skip
-    from moecompress.calibration import expert_sharded, moe_backward
+    from moecompress.calibration import chunked, expert_sharded, moe_backward
 
     group, mine, rounds = share
     ckpt = skel.ckpt
@@ -372,7 +373,7 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
         merged = StatsCollector(moe, needs, sample_tokens) if group is not None and moe is not None else None
         if col is not None:
             col.mode = "backward"
-        mod = skel.layer(i, moe, col)
+        mod = skel.layer(i, None if moe is None else chunked.cast_into(moe, skel.chunk_buffer, skel.dtype, skel.device), col)
         dev = skel.device
         for b in grads if group is None else range(rounds):
             if b in grads:

@@ -1,7 +1,8 @@
 """Chunks of experts read expert by expert into one reused tensor per projection
 (``calibration/chunk_buffer.py``, ``chunked.read_into``): the bits of the chunk read whole and cast, on every
 adapter, hub and fused forms, the quantised inputs, both compute dtypes; the tensors reused from chunk to chunk
-and layer to layer; a damaged expert named."""
+and layer to layer; a damaged expert named. A layer held whole cast into the same tensors
+(``chunked.cast_into``): the bits of ``cast_layer``."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moecompress.calibration.chunk_buffer import ChunkBuffer
-from moecompress.calibration.chunked import read_into, ready_bank
+from moecompress.calibration.chunked import cast_into, read_into, ready_bank
 from moecompress.engine.chunks import bounds
 from moecompress.errors import CheckpointError
 from moecompress.io.checkpoint import open_checkpoint
+from moecompress.ir import cast_layer, layer_to
+from moecompress.passes.rtn import RtnConfig, rtn
 from moecompress.testing import MODEL_TYPES, save_tiny
 from moecompress.testing_quantized import save_compressed_tensors, save_fp8_block, save_mxfp4
 
@@ -92,3 +95,45 @@ def test_a_damaged_expert_is_named(tmp_path):
     read_into(ckpt, 0, 0, 3, buf, torch.float32, CPU, check=True)  # experts 0-2 are fine
     with pytest.raises(CheckpointError, match=r"layer 0: expert 4 down_proj"):
         read_into(ckpt, 0, 3, 6, buf, torch.float32, CPU, check=True)
+
+
+def _layer_tensors(layer) -> dict[str, torch.Tensor]:
+    out = {f"experts.{k}": v for k, v in _tensors(layer.experts).items()}
+    if layer.shared is not None:
+        out.update({f"shared.{k}": v for k, v in _tensors(layer.shared).items()})
+    for name in ("router_weight", "router_bias", "score_bias", "shared_gate", "expert_map"):
+        if getattr(layer, name) is not None:
+            out[name] = getattr(layer, name)
+    return out
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_cast_into_is_cast_layer(tmp_path, model_type):
+    save_tiny(model_type, tmp_path / "m", dtype=torch.bfloat16)
+    ckpt = open_checkpoint(tmp_path / "m")
+    buf = ChunkBuffer()
+    for i in ckpt.moe_layer_indices:
+        layer = ckpt.read_layer(i)
+        want = layer_to(cast_layer(layer, torch.float32), CPU)
+        got = cast_into(layer, buf, torch.float32, CPU)
+        assert got.experts.gate.weight.data_ptr() == buf.take("gate", (1, *layer.experts.gate.weight.shape[1:]),
+                                                              torch.float32, CPU).data_ptr()  # fmt: skip
+        g, w = _layer_tensors(got), _layer_tensors(want)
+        assert g.keys() == w.keys()
+        for k in w:
+            assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (model_type, i, k)
+
+
+def test_cast_into_leaves_what_needs_no_cast_or_is_not_dense(tmp_path):
+    save_tiny("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16)
+    ckpt = open_checkpoint(tmp_path / "m")
+    layer = ckpt.read_layer(ckpt.moe_layer_indices[0])
+    buf = ChunkBuffer()
+    same = cast_into(layer, buf, torch.bfloat16, CPU)  # already in the compute dtype: no copy at all
+    assert same.experts.gate.weight.data_ptr() == layer.experts.gate.weight.data_ptr() and not buf._held
+    quant, _ = rtn(layer, {}, RtnConfig(bits=4, group_size=-1))
+    got = cast_into(quant, buf, torch.float32, CPU)
+    want = layer_to(cast_layer(quant, torch.float32), CPU)
+    assert type(got.experts.gate) is type(quant.experts.gate) and not buf._held
+    for (k, a), (_, b) in zip(got.experts.gate.tensors().items(), want.experts.gate.tensors().items(), strict=True):
+        assert torch.equal(a, b), k
