@@ -12,7 +12,12 @@ class ChunkBuffer:
     A chunk read whole is its stacked copy in the checkpoint's dtype and then its cast: fresh memory for every
     chunk of every layer (a chunk of 32 Qwen3-30B experts: 300 MB of bfloat16 and 600 MB of float32), and
     touching fresh memory cost more than the copies (one thread, AMD EPYC with AVX2, a layer's 4 chunks of 32 in
-    float32: 3.18 s stacked and cast, 1.05 s expert by expert into the reused tensors, ``benchmarks/layer_work.py``). A bank taken from it is valid until the next chunk is read into it."""
+    float32: 3.18 s stacked and cast, 1.05 s expert by expert into the reused tensors, ``benchmarks/layer_work.py``). A bank taken from it is valid until the next chunk is read into it.
+
+It grows to the largest bank read into it (a whole layer where a layer is held whole: ``chunked.cast_into``) and
+is freed with the calibration's :class:`~moecompress.calibration.skeleton.Skeleton`; what calibration holds at
+its peak is not raised (a layer held whole: its read copy beside its cast, as before; a chunk: one read expert
+beside the chunk's cast instead of the chunk's whole read copy)."""
 
     def __init__(self) -> None:
         self._held: dict[str, torch.Tensor] = {}

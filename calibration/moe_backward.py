@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moecompress.calibration.chunk_buffer import ChunkBuffer
 from moecompress.calibration.chunked import ChunkedLayer
 from moecompress.calibration.skeleton import to_device
 from moecompress.calibration.stats import StatsCollector
@@ -178,7 +177,7 @@ def whole_layer(skel, i: int, inputs: list, kwargs: list, grads: dict, needs, sa
     """The backward through MoE layer ``i`` held whole, batch by batch: ``grads[b]`` become the gradients
     w.r.t. ``inputs[b]``; returns the gradient statistics' collector. ``group``: data-parallel over ranks,
     this rank's batches in ``rounds`` rounds, the statistics merged round by round as one process adds them."""
-    layer = ChunkedLayer(skel, i, 1 << 62, ChunkBuffer())  # one chunk: every expert (not kept past the layer)
+    layer = ChunkedLayer(skel, i, 1 << 62)  # one chunk: every expert, in the buffer the forward cast the layer into
     _, bank = layer.chunk(0, check=False)
     col = StatsCollector(layer.shell, needs, sample_tokens, rounds=group is not None)
     col.mode = "backward"
