@@ -8,15 +8,10 @@ read and write that collector's sums, counts, maxima and kept samples.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from safetensors.torch import load, save
 
 from moecompress.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from moecompress.calibration.stats import StatsCollector
 
 PER_EXPERT = ("act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "expert_out_norm_mean", "reap_saliency",
               "down_in_cov", "grad_sq_mean")  # fmt: skip
@@ -111,7 +106,7 @@ class CollectorExchange:
                 best, chan = self._absmax[name]
                 best[a:b], chan[a:b] = v, part[f"ai/{name}"]
 
-    def merge_backward(self, other: StatsCollector) -> None:
+    def merge_backward(self, other: CollectorExchange) -> None:
         """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""
         for name in ("grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled"):
             if name in other._sums:
@@ -121,7 +116,7 @@ class CollectorExchange:
         self._n_grad_tokens = other._n_grad_tokens
 
 
-def merge_round(group, col: StatsCollector, total: StatsCollector) -> None:
+def merge_round(group, col: CollectorExchange, total: CollectorExchange) -> None:
     """One round of data-parallel calibration: every rank's batch contribution (``col``, made with
     ``rounds=True``), added into ``total`` in rank order (= batch order)."""
     for blob in group.all_gather_bytes(save(col.take_round())):
