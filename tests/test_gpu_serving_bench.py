@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,11 +18,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 def test_dry_run_measures_every_layout(tmp_path):
     out = tmp_path / "gpu_serving.json"
-    t0 = time.time()
+    # (no wall-clock bound: this took 103 s on a loaded CI VM against 40-60 s quiet; speed is for benchmarks/,
+    # the timeout only stops a hang)
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], capture_output=True,
-                       text=True, timeout=180, env=ENV)  # fmt: skip
+                       text=True, timeout=600, env=ENV)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert time.time() - t0 < 90
     res = json.loads(out.read_text())
     assert res["dry_run"] and not res["failed"]
     sys.path.insert(0, str(ROOT / "benchmarks"))
