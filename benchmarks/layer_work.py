@@ -1,8 +1,9 @@
 """The per-layer work at Qwen3-30B widths, one thread: ``rtn``'s quantiser by blocks of rows against an
 expert at a time and against the chunk's 8 experts at once (before); the held-back error's forward with the
 experts cast one at a time against the whole layer cast at once (the report's reconstruction error); and
-calibration's reads of a layer's chunks of 32 experts (2 ranks' chunks) in float32, expert by expert into the
-reused chunk buffer against each chunk stacked and cast whole (before); and one process's cast of the layer it
+calibration's reads of a layer's chunks of 32 experts (2 ranks' chunks) in float32, one read per chunk copied
+into the reused chunk buffer as read, against a read per expert copied into it (before) and each chunk stacked
+and cast whole (before that); and one process's cast of the layer it
 holds whole, into the same buffer against fresh memory (before).
 
     OMP_NUM_THREADS=1 python benchmarks/layer_work.py [--experts 128] [--rounds 3] [--json OUT]
@@ -102,6 +103,15 @@ def run(args, ckpt) -> None:
         for a, b in parts:
             read_into(ckpt, i, a, b, buf, f32, cpu, True)
 
+    def expert_by_expert():  # the eleventh session's read_into: a read per expert, then copied into the buffer
+        for a, b in parts:
+            outs = None
+            for e in range(a, b):
+                one = ckpt.read_experts(i, e, e + 1)
+                outs = outs or {p: buf.take(p, (b - a, *getattr(one, p).weight.shape[1:]), f32, cpu) for p in ("gate", "up", "down")}
+                for p, out in outs.items():
+                    out[e - a].copy_(getattr(one, p).weight[0])
+
     runs = {
         "rtn 8 experts, all at once (before)": lambda: chunk_at_once(w, 4, 128),
         "rtn 8 experts, an expert at a time": lambda: quantize_with_error(w, 4, 128, block=whole),
@@ -109,7 +119,8 @@ def run(args, ckpt) -> None:
         "held-back forward, the layer cast at once": lambda: moe_forward(layer_to(cast_layer(lay, f32), cpu), hx),
         "held-back forward, an expert cast at a time": lambda: forward_by_pieces(lay, hx, f32, cpu),
         f"calibration reads, {len(parts)} chunks of 32 stacked and cast (before)": whole_chunks,
-        f"calibration reads, {len(parts)} chunks of 32 expert by expert into the chunk buffer": into_buffer,
+        f"calibration reads, {len(parts)} chunks of 32, a read per expert copied into the chunk buffer (before)": expert_by_expert,
+        f"calibration reads, {len(parts)} chunks of 32, one read per chunk into the chunk buffer": into_buffer,
         "calibration, the layer held whole cast to float32, fresh (before)": lambda: layer_to(cast_layer(lay, f32), cpu),
         "calibration, the layer held whole cast into the chunk buffer": lambda: cast_into(lay, buf, f32, cpu),
     }

@@ -8,7 +8,7 @@ Each rank prints one line ``PHASES <rank> {"phase": [wall_s, cpu_s, calls], ...}
 distributed.py --py-spy``) pauses a process to sample it, which shifted the ranks' balance; these timers do not.
 Phases: ``start_up`` (process start to ``apply``; its second column: to the imports), ``prepare`` (dry run and
 checks), ``plans``, ``loop`` (rank 0's layer loop) and ``follow`` (the other ranks'), ``release``, ``command``
-(rank 0 sends a layer's command; the others wait for it), ``outbox_wait``, ``receive`` (rank 0 waits for a unit), ``calibration`` (all of it), ``forward`` / ``backward`` (expert-sharded layers), ``chunk_read`` (a chunk
+(rank 0 sends a layer's command; the others wait for it), ``outbox_wait``, ``receive`` (rank 0 waits for a unit), ``calibration`` (all of it), ``forward`` / ``backward`` (expert-sharded layers; ``backward`` also one process's expert-by-expert backward), ``layer_read`` (a layer read whole: calibration's forward and the layer loop), ``cast`` (a layer held whole cast into the chunk buffer), ``chunk_read`` (a chunk
 of experts read), ``gather`` (expert-sharded calibration settling its all-gathers), ``skeleton`` (the model
 class on meta), ``reports`` and ``commit`` (the end of the run), ``total`` (``apply``; its CPU column is the
 process's, every thread). The timers wrap the functions in this process only: a measurement harness, not
@@ -26,9 +26,10 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from moecompress.calibration import chunked, expert_sharded, gather_ahead, skeleton  # noqa: E402
+from moecompress.calibration import chunked, expert_sharded, gather_ahead, moe_backward, skeleton  # noqa: E402
 from moecompress.engine import executor, run, shard, wire  # noqa: E402
 from moecompress.engine.distributed import Launch  # noqa: E402
+from moecompress.io import checkpoint  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
 MARKS: dict[str, float] = {}
@@ -64,6 +65,10 @@ def timed(name: str, f):
 def main() -> None:
     expert_sharded.forward_layer = timed("forward", expert_sharded.forward_layer)
     expert_sharded.backward_layer = timed("backward", expert_sharded.backward_layer)
+    moe_backward.whole_layer = timed("backward", moe_backward.whole_layer)  # one process (or data-parallel)
+    moe_backward.by_chunks = timed("backward", moe_backward.by_chunks)
+    checkpoint.Checkpoint.read_layer = timed("layer_read", checkpoint.Checkpoint.read_layer)
+    chunked.cast_into = timed("cast", chunked.cast_into)
     chunked.ChunkedLayer.chunk = timed("chunk_read", chunked.ChunkedLayer.chunk)
     gather_ahead.GatherAhead._settle = timed("gather", gather_ahead.GatherAhead._settle)
     skeleton.Skeleton.__init__ = timed("skeleton", skeleton.Skeleton.__init__)

@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from moecompress.calibration.chunk_buffer import ChunkBuffer
-from moecompress.calibration.skeleton import check_bank_finite, check_finite, run_batch, to_device
+from moecompress.calibration.skeleton import all_finite, check_bank_finite, check_finite, run_batch, to_device
 from moecompress.calibration.stats import StatsCollector
+from moecompress.errors import CheckpointError
 from moecompress.ir import ExpertBank, MoELayer, cast_layer, layer_to
 from moecompress.layouts.dense import Dense
 from moecompress.reference import expert_partials, physical_ids, route_logits, shared_forward
@@ -102,28 +103,25 @@ def _plain(bank: ExpertBank) -> bool:
 
 
 def read_into(ckpt, i: int, a: int, b: int, buf: ChunkBuffer, dtype, device, check: bool) -> ExpertBank:
-    """Routed experts ``[a, b)`` of MoE layer ``i`` in ``dtype`` on ``device``, read expert by expert into
-    ``buf``'s tensors (each checked for NaN/Inf first when ``check``): bit for bit
-    ``ready_bank(ckpt.read_experts(i, a, b), dtype, device)``. A bank of another layout is read whole."""
-    first = ckpt.read_experts(i, a, a + 1)
-    if not _plain(first):
-        bank = ckpt.read_experts(i, a, b)
-        if check:
-            check_bank_finite(i, bank, first=a)
-        return ready_bank(bank, dtype, device)
-    outs = {p: buf.take(p, (b - a, *getattr(first, p).weight.shape[1:]), dtype, device) for p in ("gate", "up", "down")}
-    biases: dict[str, list[torch.Tensor]] = {k: [] for k in first.biases}
-    for e in range(a, b):
-        one = first if e == a else ckpt.read_experts(i, e, e + 1)
-        if check:
-            check_bank_finite(i, one, first=e)
-        for p, out in outs.items():
-            out[e - a].copy_(getattr(one, p).weight[0])
-        for k, v in one.biases.items():
-            biases[k].append(v)
-        del one
-    return dataclasses.replace(first, gate=Dense(outs["gate"]), up=Dense(outs["up"]), down=Dense(outs["down"]),
-                               biases={k: torch.cat(v).to(device=device, dtype=dtype) for k, v in biases.items()})  # fmt: skip
+    """Routed experts ``[a, b)`` of MoE layer ``i`` in ``dtype`` on ``device``, copied into ``buf``'s tensors as
+    they are read (:data:`~moecompress.adapters.base.Alloc`; checked for NaN/Inf when ``check``): bit for bit
+    ``ready_bank(ckpt.read_experts(i, a, b), dtype, device)``."""
+    bank = ckpt.read_experts(i, a, b, alloc=lambda proj, shape: buf.take(proj, shape, dtype, device))
+    if check and not all(all_finite(getattr(bank, p).weight) for p in ("gate", "up", "down")):
+        _not_finite(ckpt, i, a, b, dtype)
+    return ready_bank(bank, dtype, device)  # (biases; weights already in dtype on device are kept as they are)
+
+
+def _not_finite(ckpt, i: int, a: int, b: int, dtype) -> None:
+    """Experts ``[a, b)`` hold NaN/Inf in ``dtype``: the checkpoint's expert named if its weights do, else the
+    overflow of the compute dtype."""
+    bank = ckpt.read_experts(i, a, b)
+    check_bank_finite(i, bank, first=a)
+    big = next(p for p in ("gate", "up", "down") if not all_finite(getattr(bank, p).weight.to(dtype)))
+    raise CheckpointError(
+        f"layer {i}: experts {a}..{b - 1} {big}_proj hold weights beyond the range of calibration.dtype "
+        f"{str(dtype).removeprefix('torch.')}; set calibration.dtype: bfloat16 or float32"
+    )
 
 
 def cast_into(layer: MoELayer, buf: ChunkBuffer, dtype: torch.dtype, device: torch.device) -> MoELayer:

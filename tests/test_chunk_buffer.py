@@ -97,6 +97,32 @@ def test_a_damaged_expert_is_named(tmp_path):
         read_into(ckpt, 0, 3, 6, buf, torch.float32, CPU, check=True)
 
 
+def test_weights_beyond_the_compute_dtype_are_named(tmp_path):
+    """Finite in the checkpoint (float32), infinite in float16: the overflow is named, not a damaged checkpoint."""
+    save_tiny("qwen3_moe", tmp_path / "m", dtype=torch.float32)
+    shard = next((tmp_path / "m").glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["model.layers.0.mlp.experts.4.gate_proj.weight"][0, 0] = 1e6
+    save_file(tensors, shard, metadata={"format": "pt"})
+    ckpt = open_checkpoint(tmp_path / "m")
+    buf = ChunkBuffer()
+    read_into(ckpt, 0, 3, 6, buf, torch.float32, CPU, check=True)  # float32 holds it
+    with pytest.raises(CheckpointError, match=r"layer 0: experts 3\.\.5 gate_proj .* calibration.dtype float16; set"):
+        read_into(ckpt, 0, 3, 6, buf, torch.float16, CPU, check=True)
+
+
+def test_a_chunk_is_one_read_into_the_buffer(tmp_path, monkeypatch):
+    """One ``read_experts`` per chunk, its weights copied into the buffer as read (no stacked copy first)."""
+    save_tiny("qwen3_moe", tmp_path / "m", dtype=torch.bfloat16)
+    ckpt = open_checkpoint(tmp_path / "m")
+    reads, real = [], ckpt.read_experts
+    monkeypatch.setattr(ckpt, "read_experts", lambda i, a, b, alloc=None: reads.append((a, b, alloc)) or real(i, a, b, alloc))
+    buf = ChunkBuffer()
+    bank = read_into(ckpt, 0, 2, 7, buf, torch.float32, CPU, check=True)
+    assert [(a, b) for a, b, _ in reads] == [(2, 7)] and reads[0][2] is not None
+    assert bank.gate.weight.data_ptr() == buf.take("gate", (5, *bank.gate.weight.shape[1:]), torch.float32, CPU).data_ptr()
+
+
 def _layer_tensors(layer) -> dict[str, torch.Tensor]:
     out = {f"experts.{k}": v for k, v in _tensors(layer.experts).items()}
     if layer.shared is not None:

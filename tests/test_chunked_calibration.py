@@ -169,18 +169,17 @@ def test_chunked_layers_are_never_read_whole(tiny):
     whole, parts = [], []
     read_layer, read_experts = ckpt.read_layer, ckpt.read_experts
     ckpt.read_layer = lambda i: whole.append(i) or read_layer(i)  # instance spies
-    ckpt.read_experts = lambda i, a, b: parts.append((i, a, b)) or read_experts(i, a, b)
+    ckpt.read_experts = lambda i, a, b, alloc=None: parts.append((i, a, b)) or read_experts(i, a, b, alloc)
     try:
         _calibrate(ckpt, HEAPR | ALWAYS, {moe[0]: 3})
     finally:
         del ckpt.read_layer, ckpt.read_experts
     assert moe[0] not in whole and set(whole) == set(moe[1:])
     e = ckpt.adapter.num_experts
-    # a chunk's experts are read one at a time into the chunk buffer (calibration/chunk_buffer.py), in order
-    experts = [(moe[0], a, a + 1) for a in range(e)]
-    assert [p for p in parts if p[0] == moe[0]] == experts + experts  # once in the forward sweep, once in the backward
-    # the other layers: read whole in the forward, expert by expert in the expert-by-expert backward
-    assert sorted(p for p in parts if p[0] != moe[0]) == [(i, a, a + 1) for i in moe[1:] for a in range(e)]
+    chunks = [(moe[0], a, min(a + 3, e)) for a in range(0, e, 3)]
+    assert [p for p in parts if p[0] == moe[0]] == chunks + chunks  # once in the forward sweep, once in the backward
+    # the other layers: read whole in the forward, as one chunk into the chunk buffer in the expert-by-expert backward
+    assert sorted(p for p in parts if p[0] != moe[0]) == [(i, 0, e) for i in moe[1:]]
 
 
 def test_damaged_expert_in_a_chunk_is_named(tmp_path):

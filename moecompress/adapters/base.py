@@ -32,6 +32,16 @@ Fetch = Callable[[Iterable[str]], dict[str, torch.Tensor]]
 Rows = Callable[[str, int, int], torch.Tensor]
 """``rows(name, start, stop)``: rows ``start:stop`` of the first dimension of tensor ``name`` (only those
 bytes are read: experts of a fused ``[E, ...]`` tensor)."""
+Alloc = Callable[[str, tuple[int, ...]], torch.Tensor]
+"""``alloc(projection, shape)``: the tensor (any dtype and device) a bank's ``"gate"``, ``"up"`` or ``"down"``
+weights are copied into as they are read (a cast where the dtypes differ), instead of fresh memory in the
+read dtype (:meth:`Adapter.read_experts`; calibration's chunk buffer)."""
+
+
+def filled(alloc: Alloc | None, proj: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a view of what was read) as a projection's weights: a contiguous copy, or copied into
+    ``alloc``'s tensor (cast to its dtype, moved to its device)."""
+    return t.contiguous() if alloc is None else alloc(proj, tuple(t.shape)).copy_(t)
 
 
 class Adapter(ABC):
@@ -100,9 +110,12 @@ class Adapter(ABC):
         """Canonical layer ``i`` from tensors fetched with ``get`` (on-disk form ``fmt``)."""
 
     @abstractmethod
-    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
+    def build_experts(
+        self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int, alloc: Alloc | None = None
+    ) -> ExpertBank:
         """Routed experts ``[start, stop)`` of layer ``i`` as a bank of ``stop - start`` experts: per-expert
-        tensors through ``get``, fused ``[E, ...]`` ones through ``rows`` (only those experts' bytes)."""
+        tensors through ``get``, fused ``[E, ...]`` ones through ``rows`` (only those experts' bytes); with
+        ``alloc``, the gate, up and down weights are copied into its tensors (:data:`Alloc`)."""
 
     @abstractmethod
     def layer_tensors(self, layer: MoELayer, *, fused: bool = False) -> dict[str, torch.Tensor]:
@@ -193,10 +206,11 @@ class Adapter(ABC):
         return self.build_layer(i, get, self.detect_format(i, keys))
 
     def read_experts(
-        self, i: int, keys: Iterable[str], fetch: Fetch, rows: Rows, start: int, stop: int
+        self, i: int, keys: Iterable[str], fetch: Fetch, rows: Rows, start: int, stop: int, alloc: Alloc | None = None
     ) -> ExpertBank:
         """Routed experts ``[start, stop)`` of MoE layer ``i`` (what an expert-chunked run holds at once);
-        equal to ``read_layer(...).experts`` restricted to those experts, bit for bit."""
+        equal to ``read_layer(...).experts`` restricted to those experts, bit for bit (cast to ``alloc``'s
+        tensors' dtype where given: :data:`Alloc`)."""
         keys = list(keys)
         if not 0 <= start < stop <= self.num_experts:
             raise AdapterError(
@@ -215,7 +229,7 @@ class Adapter(ABC):
         def part(name: str, a: int, b: int) -> torch.Tensor:
             return check(name, rows(name, a, b), (b - a, *expected[name][1:]))
 
-        return self.build_experts(i, get, part, self.detect_format(i, keys), start, stop)
+        return self.build_experts(i, get, part, self.detect_format(i, keys), start, stop, alloc)
 
     def expert_keys(self, i: int, keys: Iterable[str]) -> list[str]:
         """The on-disk names of layer ``i``'s routed experts (its MoE tensors less the router and shared
@@ -326,30 +340,35 @@ class PerExpertAdapter(Adapter):
         t = get(self.router_keys(i, fmt))
         return MoELayer(index=i, experts=bank, **self.router_part(i, t, fmt))
 
-    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
+    def build_experts(
+        self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int, alloc: Alloc | None = None
+    ) -> ExpertBank:
         p, _ = self._names(i, fmt)
         g, u, d = self.proj
         n = self.expert_width
         if fmt == "fused":
             gu = rows(f"{p}.experts.gate_up_proj", start, stop)
-            gate, up = gu[:, :n].contiguous(), gu[:, n:].contiguous()
+            gate, up = filled(alloc, "gate", gu[:, :n]), filled(alloc, "up", gu[:, n:])
             del gu
             down = rows(f"{p}.experts.down_proj", start, stop)
+            down = down if alloc is None else filled(alloc, "down", down)
         else:
 
-            def stack(name: str) -> torch.Tensor:  # a projection, STACK_READ experts at a time, into its stack
+            def stack(name: str, proj: str) -> torch.Tensor:  # a projection, STACK_READ experts at a time, into its stack
                 names = [f"{p}.experts.{x}.{name}.weight" for x in range(start, stop)]
                 out = None
                 for a in range(0, len(names), STACK_READ):
                     got = get(names[a : a + STACK_READ])
                     for k, key in enumerate(names[a : a + STACK_READ], a):
                         t = got.pop(key)
-                        out = t.new_empty((len(names), *t.shape)) if out is None else out
-                        out[k] = t
+                        if out is None:
+                            shape = (len(names), *t.shape)
+                            out = t.new_empty(shape) if alloc is None else alloc(proj, shape)
+                        out[k] = t  # (a cast where alloc's dtype differs)
                         del t
                 return out
 
-            gate, up, down = stack(g), stack(u), stack(d)
+            gate, up, down = stack(g, "gate"), stack(u, "up"), stack(d, "down")
         return ExpertBank(Dense(gate), Dense(up), Dense(down))
 
     def shared_key(self, i: int) -> str | None:

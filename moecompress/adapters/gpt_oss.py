@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from moecompress.adapters.base import Adapter, Fetch, Rows, dense3, require_stock
+from moecompress.adapters.base import Adapter, Alloc, Fetch, Rows, dense3, filled, require_stock
 from moecompress.errors import LayoutError
 from moecompress.ir import Act, ExpertBank, Gating, MoELayer, RouterSpec
 from moecompress.layouts.dense import Dense
@@ -63,16 +63,18 @@ class GptOssAdapter(Adapter):
         bank = self.build_experts(i, get, lambda name, a, b: get([name])[name][a:b], fmt, 0, self.num_experts)
         return MoELayer(index=i, experts=bank, **self.router_part(i, get(self.router_keys(i))))
 
-    def build_experts(self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int) -> ExpertBank:
+    def build_experts(
+        self, i: int, get: Fetch, rows: Rows, fmt: str, start: int, stop: int, alloc: Alloc | None = None
+    ) -> ExpertBank:
         p = self._p(i)
         gu = rows(f"{p}.experts.gate_up_proj", start, stop)
         gu_b = rows(f"{p}.experts.gate_up_proj_bias", start, stop)
-        gate, up = gu[..., 0::2].transpose(1, 2).contiguous(), gu[..., 1::2].transpose(1, 2).contiguous()
+        gate, up = filled(alloc, "gate", gu[..., 0::2].transpose(1, 2)), filled(alloc, "up", gu[..., 1::2].transpose(1, 2))
         del gu
         return ExpertBank(
             gate=Dense(gate),
             up=Dense(up),
-            down=Dense(rows(f"{p}.experts.down_proj", start, stop).transpose(1, 2).contiguous()),
+            down=Dense(filled(alloc, "down", rows(f"{p}.experts.down_proj", start, stop).transpose(1, 2))),
             biases={
                 "gate": gu_b[:, 0::2].contiguous(),
                 "up": gu_b[:, 1::2].contiguous(),

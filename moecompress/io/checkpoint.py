@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moecompress.adapters import Adapter, adapter_class
+from moecompress.adapters.base import Alloc
 from moecompress.errors import CheckpointError
 from moecompress.io.format import compressed_keys, stock_keys
 from moecompress.io.hub import allowed_roots, resolve_checkpoint_dir
@@ -102,17 +103,20 @@ class Checkpoint:
         """The canonical MoE layer ``i`` (only that layer's tensors are read)."""
         return self.read_layer_with(i, self.reader.get_many)
 
-    def read_experts(self, i: int, start: int, stop: int) -> ExpertBank:
+    def read_experts(self, i: int, start: int, stop: int, alloc: Alloc | None = None) -> ExpertBank:
         """Routed experts ``[start, stop)`` of MoE layer ``i``, dequantised; only their bytes are read
         (per-expert tensors by name, fused ``[E, ...]`` ones by rows). Equal, bit for bit, to
-        ``read_layer(i).experts`` restricted to those experts. Layers in the moecompress format are read
-        whole (:meth:`read_layer`)."""
+        ``read_layer(i).experts`` restricted to those experts; with ``alloc``, the weights are copied into
+        its tensors as they are read (:data:`~moecompress.adapters.base.Alloc`: a cast where its dtype
+        differs). Layers in the moecompress format are read whole (:meth:`read_layer`)."""
         if i in self.layouts:
             raise CheckpointError(
                 f"{self.path}: layer {i} is stored in the moecompress format, which is read whole, not by "
                 "chunks of experts; run it with expert_chunk: off"
             )
-        return self.adapter.read_experts(i, self.reader.keys, self.reader.get_many, self.reader.get_rows, start, stop)
+        return self.adapter.read_experts(
+            i, self.reader.keys, self.reader.get_many, self.reader.get_rows, start, stop, alloc
+        )
 
     def read_layer_shell(self, i: int) -> MoELayer:
         """MoE layer ``i`` with its routed experts on the ``meta`` device (shapes only) and everything else
