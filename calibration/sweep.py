@@ -111,10 +111,16 @@ class Group(Protocol):
     def all_sum_int(self, value: int) -> int: ...
 
 
+RANK_0_ALONE = frozenset({"route_attrib"})
+"""Statistics no split of the calibration collects (the ``route_attrib`` trace follows the first tokens of the
+run, layer after layer, whichever rank's batches hold them): under ``torchrun`` rank 0 calibrates alone while the
+other ranks wait, and they read its cache entry (:func:`moecompress.engine.executor.calibrate_stats`)."""
+
+
 def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], bool],
                     shard_backward: Callable[[int], bool]) -> None:  # fmt: skip
     if "route_attrib" in needs:
-        raise RecipeError("route_attrib (attribute_routing) is not collected data-parallel yet; run one process")
+        raise RecipeError("route_attrib (attribute_routing) is not collected across ranks: rank 0 calibrates alone")
     held = sorted(i for i in chunks if not sharded(i))
     if not held and backward_needed(set(needs)):
         held = sorted(i for i in chunks if not shard_backward(i))

@@ -45,7 +45,7 @@ from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.skeleton import Skeleton
 from moecompress.calibration.sources import load_token_ids, source_fingerprint
 from moecompress.calibration.stats import SPILLED
-from moecompress.calibration.sweep import Batches, run_calibration
+from moecompress.calibration.sweep import RANK_0_ALONE, Batches, run_calibration
 from moecompress.engine import distributed, resources, segments, shard, wire
 from moecompress.engine.context import RunContext, resolve_device
 from moecompress.engine.distributed import Launch
@@ -178,6 +178,14 @@ def calibrate_stats(
         log.info("reusing calibration statistics from %s", found)
         return found, {"cached": True, "entry": str(found)}  # type: ignore[arg-type]
     writer = ranks.is_writer  # only rank 0 locks, writes and finishes the cache entry
+    alone = ranks.world_size > 1 and bool(needs & RANK_0_ALONE)
+    if alone and on_layer is not None:
+        raise RecipeError(f"{', '.join(sorted(needs & RANK_0_ALONE))} under calibration.propagate: compressed is not "
+                          "collected under torchrun; run one process")  # fmt: skip
+    if alone and not writer:  # rank 0 calibrates alone; this rank waits until its entry is finished
+        t0 = time.perf_counter()
+        ranks.barrier()
+        return cache.entry_path(needs), {"seconds": round(time.perf_counter() - t0, 3), "cached": False, "rank_0_alone": True}
     lock = RunLock(cache.entry_path(needs), f"statistics cache entry {cache.entry_path(needs)}") if writer else None
     with lock or nullcontext():
         entry = cache.begin(needs) if writer else None
@@ -195,7 +203,7 @@ def calibrate_stats(
                 on_layer=on_layer,
                 progress=ctx.progress,
                 expert_chunks=ctx.expert_chunks,
-                ranks=ranks,
+                ranks=None if alone else ranks,
                 shard_experts=c.parallel == "auto",
             )
         except BaseException:
@@ -203,9 +211,13 @@ def calibrate_stats(
                 cache.abort(entry)  # a failed calibration leaves no partial entry behind
             raise
         summary = {**summary, "seconds": round(time.perf_counter() - t0, 3), "cached": False}
+        if alone:
+            summary["rank_0_alone"] = True
         if entry is None:  # a rank other than 0: its share is merged into rank 0's entry
             return cache.entry_path(needs), summary
         final = cache.finish(entry, needs, summary)
+    if alone:
+        ranks.barrier()  # the entry is complete: the other ranks go on
     return final, {**summary, "entry": str(final)}
 
 

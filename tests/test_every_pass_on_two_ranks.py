@@ -1,0 +1,96 @@
+"""Every built-in pass (its sample configuration, ``tests/pass_samples.py``), one process against two ranks:
+the same output bytes, calibration included.
+
+The two ranks are two threads of this process whose collectives and sends go over queues
+(``tests/queue_ranks.py``): the engine's own code on both ranks — calibration sharded by experts or
+data-parallel, statistics reduced on rank 0, the layer loop's units worked on either rank — without two
+interpreters starting per pass. ``tests/test_distributed.py`` runs real ``gloo`` ranks (``torchrun``, two
+nodes, a killed rank) on a few of these passes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import yaml
+from pass_samples import SAMPLES
+from queue_ranks import QueueRanks
+from test_distributed import CAL, _hashes, _one_thread
+from tiny import save_tiny
+
+import moecompress as mc
+from moecompress.engine import executor
+from moecompress.engine.dry_run import dry_run
+from moecompress.extras import missing
+from moecompress.io.checkpoint import open_checkpoint
+from moecompress.passes import BUILTIN_PASSES
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("every-pass")
+    save_tiny("qwen3_moe", root / "model", num_hidden_layers=2)
+    return root / "model"
+
+
+def _recipes(tmp_path, model, name: str) -> tuple:
+    paths = []
+    for tag in ("one", "two"):
+        rec = {"model": str(model), "output": str(tmp_path / tag), "emit": "every_step", "steps": [{name: SAMPLES[name]}],
+               "calibration": {**CAL, "cache_dir": str(tmp_path / f"cache-{tag}")}}  # fmt: skip
+        (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
+        paths.append(tmp_path / f"{tag}.yaml")
+    return paths
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_builtin_pass_writes_one_process_bytes_on_two_ranks(tmp_path, model, name):
+    spec = BUILTIN_PASSES[name]
+    if any(missing(extra) for extra in spec.extras):
+        pytest.skip(f"needs the {spec.extras} extra")
+    one, two = _recipes(tmp_path, model, name)
+    with _one_thread():
+        ref = mc.apply(str(one), progress=False).report
+        rec = mc.load_recipe(str(two))
+        ckpt = open_checkpoint(rec.model)
+        plan, fp, wire, out, errors = dry_run(rec, ckpt), executor._check_calibration_source(rec, ckpt), {}, {}, []
+
+        def rank(r: int) -> dict:
+            return executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(r, 2, wire=wire)).report
+
+        def other() -> None:
+            try:
+                out.update(rank(1))
+            except BaseException as err:  # reported below, with rank 0's outcome
+                errors.append(err)
+
+        t = threading.Thread(target=other)
+        t.start()
+        got = rank(0)
+        t.join(120)
+    assert not t.is_alive() and not errors, errors
+    assert ref["calibration"]["batches"] == got["calibration"]["batches"]
+    weights = _hashes(tmp_path / "one")
+    assert _hashes(tmp_path / "two") == weights and (weights != {}) == (not spec.report_only)
+    (rows, errors), (rows1, errors1) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
+    assert rows == rows1
+    # the held-back reconstruction error: one process forwards a layer held whole, two ranks add their units'
+    # float32 sums, in another order
+    assert errors == pytest.approx(errors1, rel=16 * torch.finfo(torch.float32).eps)
+
+
+ERRORS = ("rel_error", "sqnr_db")
+
+
+def _step_reports(out) -> tuple[list[dict], list[float]]:
+    """Each step report's rows (the pass's info, the sizes), summary and warnings, all but the timings, the
+    memory and the reconstruction errors; and those errors."""
+    reps = [json.loads(p.read_text()) for p in sorted(out.glob("steps/*/report.json"))]
+    assert reps, out
+    rows = [{"layers": [{k: v for k, v in row.items() if k not in ("seconds", *ERRORS)} for row in r["layers"]],
+             "summary": r["summary"], "warnings": r["warnings"]} for r in reps]  # fmt: skip
+    errors = [float(row[k]) for r in reps for row in r["layers"] for k in ERRORS if k in row]
+    return rows, errors
