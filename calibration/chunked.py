@@ -117,7 +117,7 @@ def _not_finite(ckpt, i: int, a: int, b: int, dtype) -> None:
     overflow of the compute dtype."""
     bank = ckpt.read_experts(i, a, b)
     check_bank_finite(i, bank, first=a)
-    big = next(p for p in ("gate", "up", "down") if not all_finite(getattr(bank, p).weight.to(dtype)))
+    big = next((p for p in ("gate", "up", "down") if not all_finite(getattr(bank, p).weight.to(dtype))), "gate")
     raise CheckpointError(
         f"layer {i}: experts {a}..{b - 1} {big}_proj hold weights beyond the range of calibration.dtype "
         f"{str(dtype).removeprefix('torch.')}; set calibration.dtype: bfloat16 or float32"
