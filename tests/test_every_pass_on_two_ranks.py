@@ -94,3 +94,43 @@ def _step_reports(out) -> tuple[list[dict], list[float]]:
              "summary": r["summary"], "warnings": r["warnings"]} for r in reps]  # fmt: skip
     errors = [float(row[k]) for r in reps for row in r["layers"] for k in ERRORS if k in row]
     return rows, errors
+
+
+def test_tdmoe_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch):
+    """``tdmoe`` (shared factors fitted from every expert) on two ranks without ``expert_chunk``: the layer
+    goes by units (not whole on rank 0), its first sweep by blocks, each block read by one rank only
+    (:mod:`moecompress.engine.block_sweep`), then each unit projected by one rank: every expert is read
+    exactly twice in all, by both ranks together, and the bytes are one process's."""
+    pytest.importorskip("tensorly")
+    recs = []
+    for tag in ("one", "two"):  # one statistics cache: the layer loop's reads only
+        rec = {"model": str(model), "output": str(tmp_path / tag), "steps": [{"tdmoe": SAMPLES["tdmoe"]}],
+               "calibration": {**CAL, "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
+        (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
+        recs.append(tmp_path / f"{tag}.yaml")
+    with _one_thread():
+        mc.apply(str(recs[0]), progress=False)
+        rec = mc.load_recipe(str(recs[1]))
+        ckpt = open_checkpoint(rec.model)
+        reads, real = [], ckpt.read_experts
+        monkeypatch.setattr(ckpt, "read_experts", lambda i, a, b, alloc=None: reads.append(
+            (threading.current_thread().name, i, a, b)) or real(i, a, b, alloc))  # fmt: skip
+        plan, fp, wire, errors = dry_run(rec, ckpt), executor._check_calibration_source(rec, ckpt), {}, []
+
+        def other() -> None:
+            try:
+                executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(1, 2, wire=wire))
+            except BaseException as err:
+                errors.append(err)
+
+        t = threading.Thread(target=other, name="rank1")
+        t.start()
+        executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(0, 2, wire=wire))
+        t.join(120)
+    assert not t.is_alive() and not errors, errors
+    assert _hashes(tmp_path / "two") == _hashes(tmp_path / "one")
+    e = ckpt.adapter.num_experts
+    for i in ckpt.moe_layer_indices:
+        mine = [(who, b - a) for who, j, a, b in reads if j == i]
+        assert sum(n for _, n in mine) == 2 * e, (i, mine)  # each expert: once to gather, once to project
+        assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}

@@ -181,8 +181,9 @@ def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
     from moecompress.engine.chunks import sub_layer, take
     from moecompress.engine.spec import LayerStats
     from moecompress.methods.whitening import projection_whiteners
-    from moecompress.passes.tdmoe import tdmoe
-    from moecompress.passes.tdmoe_chunks import TdmoeConfig, fit, gather, merge_tdmoe, project
+    from moecompress.passes.tdmoe import stacked, tdmoe
+    from moecompress.passes.tdmoe_chunks import TdmoeConfig, add, fit, gather, merge_tdmoe, project
+    from moecompress.passes.tdmoe_chunks import take as take_block
 
     layer = _layer(5)
     g = torch.Generator().manual_seed(6)
@@ -190,12 +191,13 @@ def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
     h = torch.randn(80, W, generator=g, dtype=torch.float64)
     st = LayerStats(0, {"input_cov": x.T @ x / 80, "down_in_cov_pooled": h.T @ h / 80})
     cfg = TdmoeConfig(ratio=0.4)
-    _, info = tdmoe(layer, st, cfg)
+    _, info = stacked(layer, st, cfg)  # tensorly
+    _, two = tdmoe(layer, st, cfg)  # the two phases on the whole layer
     whs = projection_whiteners(st, "input")
     acc, bnds = None, [(0, 2), (2, 3), (3, E)]
     subs = [sub_layer(layer, take(layer.experts, list(range(a, b))), a) for a, b in bnds]
-    for sub in subs:
-        acc = gather(sub, st, cfg, acc)
+    for sub in subs:  # each chunk a block of its own
+        acc = add(acc, take_block(gather(sub, st, cfg, acc)))
     pre = fit(acc, layer, st, cfg)
     parts = [project(sub, pre.chunk(a, b))[1] for sub, (a, b) in zip(subs, bnds)]
     merged = merge_tdmoe(parts, bnds, cfg)
@@ -206,6 +208,7 @@ def test_whitened_error_is_the_float64_decompositions_whole_and_by_chunks():
         rec = torch.from_numpy(tl.tucker_to_tensor((core.numpy(), [f.numpy() for f in factors])))
         want = float((t - rec).norm() / t.norm())
         assert info[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
+        assert two[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
         assert merged[proj]["whitened_rel_error"] == pytest.approx(want, abs=2e-6), proj
     assert len(pre.energy["gate"]) == E and len(pre.chunk(2, 3).energy["gate"]) == 1
 
@@ -217,8 +220,9 @@ def test_chunks_of_a_16_bit_layer_work_in_float32_within_its_rounding():
     from moecompress.engine.chunks import sub_layer, take
     from moecompress.engine.spec import LayerStats
     from moecompress.methods.tucker import work_dtype
-    from moecompress.passes.tdmoe import tdmoe
-    from moecompress.passes.tdmoe_chunks import TdmoeConfig, fit, gather, merge_tdmoe, project
+    from moecompress.passes.tdmoe import stacked
+    from moecompress.passes.tdmoe_chunks import TdmoeConfig, add, fit, gather, merge_tdmoe, project
+    from moecompress.passes.tdmoe_chunks import take as take_block
 
     assert work_dtype(torch.float32) == torch.float64 and work_dtype(torch.float16) == torch.float32
     base = _layer(7)
@@ -229,12 +233,13 @@ def test_chunks_of_a_16_bit_layer_work_in_float32_within_its_rounding():
     h = torch.randn(80, W, generator=g, dtype=torch.float64)
     st = LayerStats(0, {"input_cov": x.T @ x / 80, "down_in_cov_pooled": h.T @ h / 80})
     cfg = TdmoeConfig(ratio=0.4)
-    whole, info = tdmoe(layer, st, cfg)
+    whole, info = stacked(layer, st, cfg)  # tensorly, float64
     acc, bnds = None, [(0, 2), (2, 5), (5, E)]
     subs = [sub_layer(layer, take(layer.experts, list(range(a, b))), a) for a, b in bnds]
     for sub in subs:
         acc = gather(sub, st, cfg, acc)
-    assert {g.dtype for g in (*acc.g_out.values(), *acc.g_in.values())} == {torch.float32}
+        assert {g.dtype for g in (*acc.block.g_out.values(), *acc.block.g_in.values())} == {torch.float32}
+        acc = add(acc, take_block(acc))
     pre = fit(acc, layer, st, cfg)
     assert {t.dtype for pq in pre.inner.values() for t in pq} == {torch.float32}
     parts = [project(sub, pre.chunk(a, b)) for sub, (a, b) in zip(subs, bnds)]

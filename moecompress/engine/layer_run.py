@@ -38,7 +38,14 @@ from moecompress.engine.group_work import trial as trial_info
 from moecompress.engine.group_work import unit_parts
 from moecompress.engine.journal import UNITS
 from moecompress.engine.resources import release_freed, rss_mb
-from moecompress.engine.shard import grouped_units, layer_chunks, send_command, share_choice
+from moecompress.engine.shard import (
+    blocked,
+    grouped_units,
+    layer_chunks,
+    send_command,
+    send_prepare,
+    share_choice,
+)
 from moecompress.engine.unit_work import ErrPart, StepPart, prepare
 from moecompress.engine.units import memory_limit as units_memory_limit
 from moecompress.engine.units import unit_size
@@ -98,6 +105,8 @@ def run_layer(run: RecipeRun, idx: int) -> None:
                 raise PassError(f"{steps[early[0]].label}, layer {idx}: a step written before a merge by chunks of "
                                 "experts; write the merge's output only, or expert_chunk: off")  # fmt: skip
             send_command(run.ctx.ranks, list(steps), idx, size, written)
+        elif blocked(steps):  # every rank gathers its blocks of the layer as rank 0 prepares it
+            send_prepare(run.ctx.ranks, list(steps), idx, size)
         lp = prepare(run.ckpt, steps, run.entry, plans, run.ctx, idx, size)
         if grouped:
             return _grouped_layer(run, lp, size, grouped[0])

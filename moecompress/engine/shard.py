@@ -51,6 +51,9 @@ from moecompress.io.checkpoint import Checkpoint
 STOP = -1
 """The layer index of the command that ends the other ranks' loop."""
 
+PREPARE = -1
+"""The written-steps count of a command that only prepares the layer (:func:`send_prepare`)."""
+
 
 def _command(ranks: Ranks, steps: list, values: list[int], mine: int = 0) -> list[int]:
     """``[layer, size, written count, written steps... (padded), mine]``: ``mine``, rank 0's share of the
@@ -94,6 +97,19 @@ def send_command(ranks: Ranks, steps: list, idx: int, size: int, written: list[i
     """Rank 0, before a merge's layer by units of groups: the other ranks prepare it and work their units."""
     if ranks.world_size > 1:
         _command(ranks, steps, [idx, size, len(written), *sorted(written)])
+
+
+def blocked(steps: list) -> bool:
+    """Whether a layer's preparation takes every rank at once: a step gathering by blocks
+    (``Chunking.take``, :mod:`~moecompress.engine.block_sweep`)."""
+    return any(step.spec.chunking is not None and step.spec.chunking.take is not None for step in steps)
+
+
+def send_prepare(ranks: Ranks, steps: list, idx: int, size: int) -> None:
+    """Rank 0, before it prepares a layer whose first sweep is shared by blocks (:func:`blocked`): every rank
+    prepares it at the same time; the layer's command follows as usual."""
+    if ranks.world_size > 1:
+        _command(ranks, steps, [idx, size, PREPARE])
 
 
 def grouped_units(
@@ -148,6 +164,7 @@ def follow(
     its units' encoded tensors (:func:`~moecompress.engine.wire.unit_files`; ``None``: they travel in the messages). Returns what this
     rank did (layers, chunks, its largest resident memory in the layer loop)."""
     plans: dict | None = None
+    ready: tuple[int, LayerPlan] | None = None  # a layer prepared on a PREPARE command, for its command
     layers = worked = 0
     peak = rss_mb()
     out = Outbox(ranks)
@@ -161,7 +178,14 @@ def follow(
         if plans is None:
             _check_entry(ranks, entry, needs_stats)
             plans = plans_of()
-        lp = prepare(ckpt, steps, entry, [plans.get(s.number, {}).get(idx) for s in steps], ctx, idx, size)
+        if ready is not None and ready[0] == idx:
+            lp, ready = ready[1], None
+        else:
+            lp = prepare(ckpt, steps, entry, [plans.get(s.number, {}).get(idx) for s in steps], ctx, idx, size)
+        if count == PREPARE:
+            ready = (idx, lp)
+            del lp
+            continue
         written = set(cmd[3 : 3 + count])
         grouped = [s for s, step in enumerate(steps) if step.spec.chunking.mode == "group"]
         if grouped:  # a merge by units of groups (group_work)

@@ -206,6 +206,13 @@ class Chunking:
     ``prelude``'s (a step has one or the other). An earlier ``expert`` step that changes the layer would
     have to run twice on every chunk: the dry run refuses it unless ``calibration.recalibrate: auto``
     starts a new segment at the gathering step (:func:`moecompress.engine.follow.cuts`).
+    ``take(acc) -> {name: tensor}`` and ``add(acc, part) -> acc``: a first sweep by *blocks* instead of by
+    chunks: the layer's experts in :func:`fold_blocks`' fixed blocks (independent of the chunk size and of
+    the ranks), each block folded by ``gather`` into a partial of its own that ``take`` hands out (as
+    tensors, the partial then cleared; ``{}``: nothing gathered) and ``add`` folds into the layer's total,
+    in block order (``acc`` may be ``None``: a rank that gathered nothing yet). Under ``torchrun`` each rank
+    gathers its blocks and every rank adds every block's partial in block order
+    (:func:`~moecompress.engine.unit_work.gather`), so the total, and the output, are one process's.
     ``workspace(chunk, cfg) -> bytes``: the step's workspace on a chunk's sub-layer when it differs from
     ``PassSpec.workspace`` on it (both phases of a two-phase step: its accumulators and its fit); the dry
     run's chunk estimate uses it.
@@ -241,6 +248,8 @@ class Chunking:
     unit: Callable[[Any, int, int, Any, Any], tuple[Any, dict]] | None = None
     pairs: Callable[[Any], bool] | None = None
     pair: Callable[..., Any] | None = None
+    take: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    add: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select", "group"):
@@ -253,8 +262,22 @@ class Chunking:
             raise ValueError("Chunking: gather and fit come together, on an 'expert' or 'group' step")
         if (self.pairs is None) != (self.pair is None) or (self.pair is not None and self.gather is None):
             raise ValueError("Chunking: pairs and pair come together, on a step with gather")
+        if (self.take is None) != (self.add is None) or (self.take is not None and (self.gather is None or self.pairs)):
+            raise ValueError("Chunking: take and add come together, on a step with gather and without pairs")
         if self.gather is not None and self.prelude is not None:
             raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
+
+
+FOLD_BLOCKS = 8
+"""A two-phase step's first sweep by blocks (``Chunking.take``/``add``): the layer's experts in this many
+blocks, whatever the chunk size and the ranks, so that its sums are added in one order everywhere."""
+
+
+def fold_blocks(num_experts: int) -> list[tuple[int, int]]:
+    """The blocks ``[(a, b), ...]`` of a layer of ``num_experts`` experts (:data:`FOLD_BLOCKS` of
+    ``ceil(E / FOLD_BLOCKS)`` experts, fewer when ``E`` is small)."""
+    size = max(1, -(-num_experts // FOLD_BLOCKS))
+    return [(a, min(a + size, num_experts)) for a in range(0, num_experts, size)]
 
 
 def shifted_ids(infos: list[dict], bounds: list[tuple[int, int]], key: str) -> list[int]:

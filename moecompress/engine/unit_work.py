@@ -26,7 +26,7 @@ import torch
 
 from moecompress.calibration.cache import ExpertRows, LayerRows, load_layer
 from moecompress.calibration.stats import SPILLED
-from moecompress.engine import chunks
+from moecompress.engine import block_sweep, chunks
 from moecompress.engine.context import RunContext
 from moecompress.engine.held_back import Errors, ErrPart
 from moecompress.engine.pair_sweep import sweep_pairs
@@ -222,8 +222,10 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
     """Step ``s``'s first phase (``Chunking.gather``): every chunk of ``size`` experts of the layer read, the
     earlier ``select`` steps applied, folded in chunk order; then ``Chunking.fit`` once with the layer's
     statistics: the value every chunk's step reads as ``stats.prelude``. With ``Chunking.pairs``, every pair
-    of chunks instead (:func:`~.pair_sweep.pair_order`). Every rank repeats it under ``torchrun`` (the same fold in the
-    same order: the same value)."""
+    of chunks instead (:func:`~.pair_sweep.pair_order`). With ``Chunking.take``, by fixed blocks instead
+    (:mod:`~moecompress.engine.block_sweep`: under ``torchrun`` each rank gathers its blocks and every rank adds
+    all of them in block order); otherwise every rank repeats it under ``torchrun`` (the same fold in the same
+    order: the same value)."""
     step, mode, idx = lp.steps[s], lp.steps[s].spec.chunking, lp.idx
     where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
     bounds = list(chunks.bounds(lp.shells[0].router.num_experts, size))
@@ -231,6 +233,12 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
     try:
         if mode.pairs is not None and mode.pairs(step.config):
             acc = _gather_pairs(lp, s, bounds, where)
+        elif mode.take is not None:  # by fixed blocks, shared out over the ranks
+            def read(a: int, b: int) -> Any:
+                return _gathered_chunk(lp, s, a, b, where)
+
+            ranges = block_sweep.blocks(lp.shells[s].router.num_experts, lp.kept_of[:s])
+            acc = block_sweep.sweep(step, idx, ranges, size, read, lp.ctx.ranks)
         else:
             for a, b in bounds:
                 got = _gathered_chunk(lp, s, a, b, where)

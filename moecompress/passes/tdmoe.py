@@ -5,8 +5,7 @@ Paper: "TD-MoE: Tensor Decomposition for MoE Models" (ICLR 2026); implemented fr
 that are not protected are stacked into ``T ∈ ℝ^{M×out×in}``, whitened slice by slice
 (``A·W_e·B``, :mod:`moecompress.methods.whitening`: ``input`` = Cholesky factor of the input covariance,
 minimising the output error, default; ``output`` = gradient covariance of the LM loss; ``both``;
-``none``), decomposed with Tucker (tensorly; ``method: hosvd`` default, ``hooi`` = 50 alternating
-iterations)::
+``none``), decomposed with Tucker (``method: hosvd`` default, ``hooi`` = 50 alternating iterations)::
 
     T_w ≈ G ×₁ U_e ×₂ U_out ×₃ U_in,     then  U_out' = A⁻¹U_out,  U_in' = B⁻ᵀU_in
 
@@ -17,7 +16,15 @@ decomposed experts' parameters removed) with the parameter count
 ``P = M·r2·r3 + out·r2 + in·r3`` (``r1·r2·r3 + M·r1 + out·r2 + in·r3`` with ``r1 < M``): every ``r2``
 is scanned, ``r3`` solved for, and among the candidates within 0.5% of the target the one with the
 most equal relative ranks (``r2/out ≈ r3/in``) is kept (else the closest). Protected (super) experts
-stay dense, outside the shared factors. Shared experts and routers are untouched. ``budget: adaptive``
+stay dense, outside the shared factors.
+
+HOSVD with the expert mode kept (the default) runs in two phases (:mod:`moecompress.passes.tdmoe_chunks`):
+``U_out``, ``U_in`` are the leading eigenvectors of the whitened mode Gram matrices summed over every expert
+in fixed blocks, then each core is ``U_outᵀ X_e U_in``: the factors tensorly's HOSVD of the stack gives,
+to rounding (``benchmarks/RESULTS.md``, 2026-12-05 and 2026-12-07), in a fixed order of sums, so a layer
+held whole, by chunks of experts or across ``torchrun`` ranks gives the same bytes, and without the stack's
+float64 copies. ``hooi``, a truncated expert mode (``r1 < M``) and ``budget: from_structure`` use
+tensorly's ``tucker`` on the stack. Shared experts and routers are untouched. ``budget: adaptive``
 gives each layer its own ratio by sensitivity (see ``_plan``; the mean over layers is ``ratio``);
 ``budget: from_structure`` keeps each layer's budget and spreads it over gate/up/down by how much
 whitened energy the shared basis keeps in each (see ``_structure_ratios``; the dry run shows the
@@ -53,15 +60,19 @@ from moecompress.passes.tdmoe_chunks import (
     PROJ,
     Factors,
     TdmoeConfig,
+    add,
     check_dense,
     chunk_workspace,
     fit,
     gather,
     live_stats,
     merge_tdmoe,
+    phases,
     project,
     refuse_chunks,
     refuse_layer,
+    take,
+    whole,
 )
 
 
@@ -177,6 +188,19 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     if isinstance(stats.prelude, Factors):  # a chunk of a layer held by chunks of experts
         return project(layer, stats.prelude)
     _check(layer, cfg)
+    members, _, _ = one_width_members(layer, "tdmoe", "decomposed")
+    if not members:
+        return layer, {"skipped": "every expert is protected"}
+    if two_phase(cfg, len(members)):
+        return whole(layer, stats, cfg)
+    return stacked(layer, stats, cfg)
+
+
+def stacked(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
+    """tensorly's Tucker decomposition of each projection's stack of experts (``hosvd`` or ``hooi``), for any
+    configuration (what :func:`tdmoe` runs when :func:`two_phase` does not apply; the tests' reference for
+    the two phases)."""
+    _check(layer, cfg)
     bank = layer.experts
     members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
     if not members:
@@ -222,11 +246,23 @@ def _summarize(infos: dict[int, dict], cfg: TdmoeConfig) -> dict:
     }
 
 
-def _workspace(layer: MoELayer) -> int:
-    """One projection at a time (:func:`~moecompress.methods.tucker.decompose_workspace`): its experts
-    stacked, whitened in float64 and decomposed by tensorly's HOSVD. Every projection has ``E·I·H``
-    weights; every expert is counted (protected ones are not stacked: an upper bound)."""
+def two_phase(cfg: TdmoeConfig, members: int) -> bool:
+    """Whether the layer's HOSVD runs in two phases from the mode Grams (:func:`~.tdmoe_chunks.whole`): HOSVD
+    with the expert mode kept and one ratio for the three projections; otherwise tensorly."""
+    return cfg.method == "hosvd" and cfg.budget != "from_structure" and (cfg.r1 is None or cfg.r1 >= members)
+
+
+def _workspace(layer: MoELayer, cfg: TdmoeConfig) -> int:
+    """In two phases (:func:`two_phase`): :func:`~.tdmoe_chunks.phases` with every expert's core, the output
+    counted in the last phase only;
+    else one projection at a time (:func:`~moecompress.methods.tucker.decompose_workspace`): its experts
+    stacked, whitened in float64 and decomposed by tensorly. Every projection has ``E·I·H`` weights; every
+    expert is counted (protected ones are not stacked: an upper bound)."""
     e, i, h = layer.experts.gate.shape
+    if two_phase(cfg, e):  # the output exists in the last phase only (the dry run adds it to the workspace)
+        out = _emits(layer, cfg).experts.nbytes()
+        gather, fit, project = phases(layer, cfg)
+        return max(gather, fit, project + out) - out
     return decompose_workspace(e, i, h, layer.experts.gate.dtype.itemsize)
 
 
@@ -235,8 +271,8 @@ SPEC = PassSpec(
     plans=lambda cfg: cfg.budget == "adaptive",
     needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
     | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
-    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=lambda layer, cfg: _workspace(layer),
+    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=_workspace,
     alters=frozenset({"weights"}),
     chunking=Chunking("expert", merge=merge_tdmoe, refuse=refuse_chunks, refuse_layer=refuse_layer,
-                      exact=lambda cfg: False, gather=gather, fit=fit, workspace=chunk_workspace),
+                      gather=gather, fit=fit, take=take, add=add, workspace=chunk_workspace),
 )  # fmt: skip
