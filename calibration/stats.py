@@ -82,7 +82,14 @@ class StatsCollector(CollectorExchange):
         self._attr: dict | None = None  # route_attrib: the traced tokens (calibration/trace.py)
         self._attribution: dict[str, torch.Tensor] = {}
         self._seq: dict[str, list[torch.Tensor]] | None = {} if rounds else None
-        """a round's unindexed additions, in order (several per batch for the pooled sums)"""
+        """a round's unindexed additions, in order (one per batch and sum)"""
+        self._pool: dict[str, torch.Tensor] = {}
+        """``down_in_cov_pooled``: this batch's terms, summed expert by expert (float64), added to the layer's
+        sum once, at the batch's end (:meth:`on_output`): one addition per batch, so a data-parallel round
+        carries one matrix per batch, not one per expert (600 MB a batch at Qwen3-30B widths)"""
+        self._interleaved = False
+        """the chunked forward visits each batch once per chunk (:meth:`resume_batch`): pooled terms go
+        straight into the layer's sum, chunk by chunk (``cache.CHUNK_ORDERED``)"""
         self._spill = spill
         self._apart: dict[str, dict[int, torch.Tensor]] = {}
         self._ward = WardOutputs(layer, self.names)
@@ -203,13 +210,25 @@ class StatsCollector(CollectorExchange):
             if "down_in_cov" in self.names:
                 self._add("down_in_cov", c, e)
             if "down_in_cov_pooled" in self.names:
-                self._add("down_in_cov_pooled", c)
+                if self._interleaved:
+                    self._add("down_in_cov_pooled", c)
+                elif "down_in_cov_pooled" in self._pool:
+                    self._pool["down_in_cov_pooled"] += c.detach().double()
+                else:
+                    self._pool["down_in_cov_pooled"] = c.detach().double()
 
     def on_shared(self, h: torch.Tensor, y: torch.Tensor) -> None:
         if self.mode == "stats" and {"shared_down_out_absmax", "shared_down_out_argmax"} & self.names:
             self._absmax_update("shared_down_out", 0, 1, y)
 
+    def _flush_pool(self) -> None:
+        """The batch's pooled terms into the layer's sums: one addition per sum."""
+        for name, v in self._pool.items():
+            self._add(name, v)
+        self._pool = {}
+
     def on_output(self, out: torch.Tensor) -> None:
+        self._flush_pool()
         if self.mode == "stats" and self._attr is not None and self._off < self._attr["n"]:
             self._attr["y"].append(out.detach()[: self._attr["n"] - self._off].float().cpu().clone())
         if self.mode == "stats" and "io_sample" in self.names:
@@ -225,6 +244,7 @@ class StatsCollector(CollectorExchange):
 
     def resume_batch(self, state: tuple, x: torch.Tensor) -> None:
         """Return to a batch of :meth:`batch_state` whose MoE input is ``x`` (no statistic is added)."""
+        self._interleaved = True
         self._off, self._ids, self._weights = state
         self._x = x
 
@@ -310,6 +330,8 @@ class StatsCollector(CollectorExchange):
     # -- results ---------------------------------------------------------------------------------
     def result(self) -> dict[str, torch.Tensor]:
         """Means as float32 tensors, ready to save as safetensors."""
+        if self._pool:  # a forward that ended without on_output (a bare moe_forward): its last batch's terms
+            self._flush_pool()
         out: dict[str, torch.Tensor] = {}
         t = max(self._n_tokens, 1)
         routed = self._counts.get("routed", torch.zeros(self.layer.experts.num_experts, dtype=torch.float64))
