@@ -76,7 +76,7 @@ def sweep(step, idx: int, ranges: list[tuple[int, int]], size: int, read: Read, 
                 raise PassError(error)
             acc = mode.add(acc, part)
             continue
-        blob = save({k: v.contiguous() for k, v in part.items()}, metadata={"error": error})
+        blob = save({k: v.detach().cpu().contiguous() for k, v in part.items()}, metadata={"error": error})
         del part
         got = ranks.all_gather_buffers(blob)
         del blob
