@@ -175,12 +175,17 @@ def _start(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig, live: int, acc:
     return acc
 
 
-def _fold(acc: Grams, bank: ExpertBank, a: int, b: int, members: list[int], live: int) -> None:
-    """Experts ``[a, b)`` of ``bank`` (``members``: its decomposed experts) whitened and added to the block,
-    one expert at a time."""
+def _dense(bank: ExpertBank) -> dict[str, torch.Tensor]:
+    """Each projection's ``[E, out, in]`` weights (a ragged bank's rebuilt once)."""
+    return {proj: getattr(bank, proj).dense() for proj in PROJ}
+
+
+def _fold(acc: Grams, fulls: dict[str, torch.Tensor], a: int, b: int, members: list[int], live: int) -> None:
+    """Experts ``[a, b)`` of the bank ``fulls`` (:func:`_dense`; ``members``: its decomposed experts) whitened
+    and added to the block, one expert at a time."""
     blk, chosen = acc.block, [e for e in members if a <= e < b]
     for proj in PROJ:
-        full, wh = getattr(bank, proj).dense(), acc.work[proj]
+        full, wh = fulls[proj], acc.work[proj]
         g_out, g_in = blk.g_out[proj], blk.g_in[proj]  # type: ignore[union-attr]
         energy = [0.0] * (b - a)
         for e in chosen:
@@ -197,7 +202,7 @@ def gather(sub: MoELayer, stats: LayerStats, cfg: TdmoeConfig, acc: Grams | None
                         "use expert_chunk: off or calibration.recalibrate: auto")  # fmt: skip
     members, _, live = one_width_members(sub, "tdmoe", "decomposed")
     acc = _start(sub, stats, cfg, live, acc)
-    _fold(acc, sub.experts, 0, sub.experts.num_experts, members, live)
+    _fold(acc, _dense(sub.experts), 0, sub.experts.num_experts, members, live)
     return acc
 
 
@@ -267,10 +272,10 @@ def whole(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
     the same bytes as by chunks or across ranks): gather, fit, project."""
     members, _, live = one_width_members(layer, "tdmoe", "decomposed")
     acc: Grams | None = None
-    e = layer.experts.num_experts
+    e, fulls = layer.experts.num_experts, _dense(layer.experts)
     for a, b in fold_blocks(e):
         acc = _start(layer, stats, cfg, live, acc)
-        _fold(acc, layer.experts, a, b, members, live)
+        _fold(acc, fulls, a, b, members, live)
         acc = add(acc, take(acc))
     new, info = project(layer, fit(acc, layer, stats, cfg))
     return new, merge_tdmoe([info], [(0, e)], cfg)
