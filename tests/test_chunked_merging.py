@@ -93,14 +93,14 @@ def test_groups_and_merged_experts_by_chunks_are_the_whole_layers(name, kw, size
     for p in PROJ:
         assert torch.equal(getattr(got, p).dense(), getattr(whole.experts, p).dense()), p
     out = merge_units(infos, units, dec)
-    assert out["rel_error_held"] == pytest.approx(info["rel_error_held"], rel=1e-5, abs=1e-7)
+    assert out["rel_error_held"] == info["rel_error_held"]  # the units' terms added as one forward adds them
     for k in ("groups", "bases", "num_experts_after", "bytes_after", "neurons_moved", "weights", "merged_groups",
               "refined", "refine_fit_loss"):
         assert out.get(k) == info.get(k), k
     for k in ("rel_error_unrefined", "rel_error_refined", "rel_error_refined_real"):
         assert (k in out) == (k in info), k
         if k in info:
-            assert out[k] == pytest.approx(info[k], rel=1e-5), k
+            assert out[k] == info[k], k
 
 
 def test_the_written_pass_refines_the_chosen_run_alone():

@@ -100,7 +100,7 @@ def test_chain_reports_every_emitted_layer(model):
 
 def test_a_missing_extra_is_one_line_in_the_dry_run(tmp_path, model, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorly", None)  # as on a core install: `import tensorly` fails
-    rec = {"model": str(model), "output": str(tmp_path / "out"), "calibration": CAL, "steps": [{"tdmoe": {}}]}
+    rec = {"model": str(model), "output": str(tmp_path / "out"), "calibration": CAL, "steps": [{"tdmoe": {"method": "hooi"}}]}
     with pytest.raises(MissingExtraError, match=r'^step 1 \(tdmoe\) needs tensorly, which is not installed: '
                        r'pip install "moecompress\[decompose\]"$'):  # fmt: skip
         mc.apply(rec, dry_run=True, progress=False)

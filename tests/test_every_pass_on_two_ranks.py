@@ -49,8 +49,9 @@ def _recipes(tmp_path, model, name: str) -> tuple:
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_every_builtin_pass_writes_one_process_bytes_on_two_ranks(tmp_path, model, name):
     spec = BUILTIN_PASSES[name]
-    if any(missing(extra) for extra in spec.extras):
-        pytest.skip(f"needs the {spec.extras} extra")
+    extras = spec.extras_for(spec.config.model_validate(SAMPLES[name]))
+    if any(missing(extra) for extra in extras):
+        pytest.skip(f"needs the {extras} extra")
     one, two = _recipes(tmp_path, model, name)
     with _one_thread():
         ref = mc.apply(str(one), progress=False).report
@@ -133,4 +134,54 @@ def test_tdmoe_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch):
     for i in ckpt.moe_layer_indices:
         mine = [(who, b - a) for who, j, a, b in reads if j == i]
         assert sum(n for _, n in mine) == 2 * e, (i, mine)  # each expert: once to gather, once to project
+        assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}
+
+
+@pytest.mark.parametrize("chunk", [3, "off"])
+@pytest.mark.parametrize("step", [{"merge_experts": {"ratio": 0.25}},
+                                  {"namex": {"ratio": 0.25, "similarity": "output_tokens", "refine_steps": 0}}])
+def test_a_merge_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch, step, chunk):
+    """A merge on two ranks, by units of groups (``expert_chunk: 3``, and without it: the layer is shared out
+    by units, not run whole on rank 0): its gathering sweep goes by blocks (``Chunking.take``), each block
+    read by one rank only and the summaries exchanged, then each unit's members read by the unit's rank:
+    every expert is read exactly twice in all (by chunks each rank repeated the sweep before: three times),
+    by both ranks together, and the bytes and the step reports are one process's (a layer held whole)."""
+    recs = []
+    for tag in ("one", "two"):
+        rec = {"model": str(model), "output": str(tmp_path / tag), "steps": [step], "emit": "every_step",
+               "expert_chunk": chunk if tag == "two" else "off",
+               "calibration": {**CAL, "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
+        (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
+        recs.append(tmp_path / f"{tag}.yaml")
+    with _one_thread():
+        mc.apply(str(recs[0]), progress=False)
+        rec = mc.load_recipe(str(recs[1]))
+        ckpt = open_checkpoint(rec.model)
+        reads, real = [], ckpt.read_experts
+        monkeypatch.setattr(ckpt, "read_experts", lambda i, a, b, alloc=None: reads.append(
+            (threading.current_thread().name, i, a, b)) or real(i, a, b, alloc))  # fmt: skip
+        plan, fp, wire, errors = dry_run(rec, ckpt), executor._check_calibration_source(rec, ckpt), {}, []
+
+        def other() -> None:
+            try:
+                executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(1, 2, wire=wire))
+            except BaseException as err:
+                errors.append(err)
+
+        t = threading.Thread(target=other, name="rank1")
+        t.start()
+        executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(0, 2, wire=wire))
+        t.join(120)
+    assert not t.is_alive() and not errors, errors
+    assert _hashes(tmp_path / "two") == _hashes(tmp_path / "one")
+    (rows, errs), (rows1, errs1) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
+    for r in rows:  # by request only: a unit over the dry run's plan
+        for row in r["layers"]:
+            row["info"].pop("largest_unit", None)
+    assert rows == rows1  # the merge's own held-back errors included: one process's bits
+    assert errs == pytest.approx(errs1, rel=16 * torch.finfo(torch.float32).eps)
+    e = ckpt.adapter.num_experts
+    for i in ckpt.moe_layer_indices:
+        mine = [(who, b - a) for who, j, a, b in reads if j == i]
+        assert sum(n for _, n in mine) == 2 * e, (i, mine)  # each expert: once to gather, once to merge
         assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}

@@ -59,7 +59,7 @@ def meta_layer(ckpt: Checkpoint, i: int) -> MoELayer:
 def check_extras(recipe: Recipe) -> None:
     """One line naming the extra to install when a step or the calibration source needs one."""
     for step in recipe.steps:
-        for extra in step.spec.extras:
+        for extra in step.spec.extras_for(step.config):
             require(extra, step.label)
     if recipe.calibration.source.startswith("hf:"):
         require("data", f"calibration.source {recipe.calibration.source!r}")

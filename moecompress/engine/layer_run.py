@@ -233,7 +233,9 @@ def _grouped_layer(run: RecipeRun, lp, size: int, g: int) -> None:
     parts: list[list[ExpertBank]] = [[shells[0].experts] for _ in steps]
     parts[g], infos, bnds = [], [], []
     units = dec.units(size)
-    big = _unit_overrun(run, lp, size, g)
+    # a unit over the dry run's plan: reported (and refused over the memory limit) where the run was planned
+    # by chunks; a layer planned whole (shared out by units under torchrun) holds less in any unit
+    big = _unit_overrun(run, lp, size, g) if idx in run.ctx.expert_chunks else None
     if dec.sweeps == 2:  # a choice on the whole layer's held-back error first (namex's refinement): unwritten
         t0 = time.perf_counter()
         trial = []

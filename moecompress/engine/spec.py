@@ -33,7 +33,8 @@ Fields of a spec:
   layers (default: whenever ``plan`` is set); ``calibration.propagate: compressed`` refuses only those.
 - ``summarize(infos, cfg) -> {"summary", "warnings", "plots"}``: the step report's summary.
 - ``report_only``: the step only reports (``analyze``); it never writes a checkpoint.
-- ``extras``: optional dependency groups the step needs (``("decompose",)``): checked in the dry run.
+- ``extras``: optional dependency groups the step needs (``("decompose",)``), or ``extras(cfg)`` giving them for a
+  configuration (:meth:`PassSpec.extras_for`): checked in the dry run.
 - ``stage``: a :class:`StageSpec` makes the step a *whole-model stage* (``distill``): it is not run per
   layer; the recipe is cut into segments there (:mod:`moecompress.engine.segments`, ``docs/training.md``).
 - ``on_device``: the pass's maths are device-generic (every tensor it creates follows its inputs'
@@ -212,7 +213,8 @@ class Chunking:
     tensors, the partial then cleared; ``{}``: nothing gathered) and ``add`` folds into the layer's total,
     in block order (``acc`` may be ``None``: a rank that gathered nothing yet). Under ``torchrun`` each rank
     gathers its blocks and every rank adds every block's partial in block order
-    (:func:`~moecompress.engine.unit_work.gather`), so the total, and the output, are one process's.
+    (:func:`~moecompress.engine.unit_work.gather`), so the total, and the output, are one process's. A
+    configuration whose ``pairs(cfg)`` is true sweeps pairs of chunks instead (every rank repeats it).
     ``workspace(chunk, cfg) -> bytes``: the step's workspace on a chunk's sub-layer when it differs from
     ``PassSpec.workspace`` on it (both phases of a two-phase step: its accumulators and its fit); the dry
     run's chunk estimate uses it.
@@ -262,8 +264,8 @@ class Chunking:
             raise ValueError("Chunking: gather and fit come together, on an 'expert' or 'group' step")
         if (self.pairs is None) != (self.pair is None) or (self.pair is not None and self.gather is None):
             raise ValueError("Chunking: pairs and pair come together, on a step with gather")
-        if (self.take is None) != (self.add is None) or (self.take is not None and (self.gather is None or self.pairs)):
-            raise ValueError("Chunking: take and add come together, on a step with gather and without pairs")
+        if (self.take is None) != (self.add is None) or (self.take is not None and self.gather is None):
+            raise ValueError("Chunking: take and add come together, on a step with gather")
         if self.gather is not None and self.prelude is not None:
             raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
 
@@ -333,7 +335,7 @@ class PassSpec:
     summarize: Callable[[dict[int, dict], Any], dict] | None = None
     needs_fn: Callable[[Any], Iterable[str]] | None = None
     report_only: bool = False
-    extras: tuple[str, ...] = ()
+    extras: tuple[str, ...] | Callable[[Any], Iterable[str]] = ()
     stage: StageSpec | None = None
     on_device: bool = False
     workspace: Callable[[MoELayer, Any], int] | None = None
@@ -346,7 +348,7 @@ class PassSpec:
         unknown = sorted(self.needs - set(CATALOGUE))
         if unknown:
             raise ValueError(f"pass {self.name!r} needs unknown statistics {unknown}; known: {sorted(CATALOGUE)}")
-        bad = sorted(set(self.extras) - set(EXTRAS))
+        bad = [] if callable(self.extras) else sorted(set(self.extras) - set(EXTRAS))
         if bad:
             raise ValueError(f"pass {self.name!r} names unknown extras {bad}; known: {sorted(EXTRAS)}")
         if isinstance(self.alters, (set, frozenset)):
@@ -357,6 +359,16 @@ class PassSpec:
     def needs_for(self, cfg: Any) -> frozenset[str]:
         """The statistics a step with configuration ``cfg`` needs."""
         return self.needs if self.needs_fn is None else frozenset(self.needs_fn(cfg)) & self.needs
+
+    def extras_for(self, cfg: Any) -> tuple[str, ...]:
+        """The optional dependency groups a step with configuration ``cfg`` needs (see ``extras``)."""
+        if not callable(self.extras):
+            return tuple(self.extras)
+        got = tuple(self.extras(cfg))
+        bad = sorted(set(got) - set(EXTRAS))
+        if bad:
+            raise ValueError(f"pass {self.name!r} names unknown extras {bad}; known: {sorted(EXTRAS)}")
+        return got
 
     def alters_for(self, cfg: Any) -> frozenset[str]:
         """What a step with configuration ``cfg`` changes in a layer (see ``alters``)."""

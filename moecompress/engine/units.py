@@ -262,8 +262,8 @@ def check_chunked(
 def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int | None:
     """Experts per unit of MoE layer ``idx`` in the layer loop (``None``: one unit, the whole layer, on
     rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / (N · LOOP_UNITS_PER_RANK))``
-    when every step can run by chunks with the whole layer's result (``Chunking.exact``) and
-    ``calibration.propagate`` is not ``compressed``."""
+    when every step can run by chunks with the whole layer's result (``Chunking.exact``), ``calibration.propagate``
+    is not ``compressed`` and a merge comes first (:func:`merge_first`)."""
     if idx in ctx.expert_chunks:
         return ctx.expert_chunks[idx]
     n, e = ctx.ranks.world_size, int(ckpt.adapter.num_experts)
@@ -271,5 +271,21 @@ def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int |
         return None
     if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
         return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
+    if not merge_first(rec):
+        return None
     return -(-e // (n * LOOP_UNITS_PER_RANK))
+
+
+def merge_first(rec: Recipe) -> bool:
+    """Whether a merge (``Chunking('group')``) can go by units on a layer that was not chunked by request:
+    nothing before it changes the layer or is written (``emit: every_step``), as its units of groups need
+    (:func:`~moecompress.engine.unit_work.prepare`); otherwise rank 0 runs the layer whole, as one process."""
+    for s, step in enumerate(rec.steps):
+        if step.spec.chunking.mode != "group" or s == 0:
+            continue
+        if rec.emit == "every_step" or any(
+            not o.spec.report_only and o.spec.alters_for(o.config) for o in rec.steps[:s]
+        ):
+            return False
+    return True
 

@@ -47,12 +47,14 @@ from moecompress.passes.expert_merging import (
 )
 from moecompress.passes.merge_budget import GRAM_NEEDS, plan_budget
 from moecompress.passes.merge_units import (
+    add_summaries,
     fit_groups,
     gather_pair,
     gather_summaries,
     group_workspace,
     merge_units,
     run_unit,
+    take_summaries,
     weight_pairs,
 )
 
@@ -107,8 +109,10 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 
 
 CHUNKING = Chunking(
-    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair, fit=fit_groups,
-    unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg), exact=lambda cfg: False,
+    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair,
+    take=take_summaries, add=add_summaries, fit=fit_groups,
+    unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg),
+    exact=lambda cfg: not weight_pairs(cfg),  # the units give the whole layer's bytes; the weight Gram by pairs: not
     workspace=lambda layer, cfg, n, groups=None: group_workspace(layer, cfg, n, groups=groups, cap=2),  # fold
 )  # by units of groups: the groups from per-expert summaries gathered over the chunks
 

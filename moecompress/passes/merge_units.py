@@ -29,7 +29,41 @@ from moecompress.passes.expert_merging import (
     plan_merge,
     target_groups,
 )
-from moecompress.reference import experts_forward, route, shared_forward
+from moecompress.reference import Term, add_term, expert_terms, physical_ids, route, shared_forward
+
+
+@dataclass
+class Summaries:
+    """The first sweep's per-expert summaries (:func:`expert_summaries`; ``gram``: the weight Gram of
+    :func:`gather_pair`), as lists of row blocks in expert order: the layer's so far (``total``) and the block
+    being gathered (``part``). By chunks every chunk goes to ``part``; by blocks (:func:`take_summaries`/:func:`add_summaries`,
+    :mod:`~moecompress.engine.block_sweep`) each block's rows are handed out and added to ``total`` in block
+    order, on whichever rank gathered them."""
+
+    total: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    part: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """Every summary's rows, concatenated in expert order."""
+        keys = list(dict.fromkeys([*self.total, *self.part]))
+        return {k: torch.cat(self.total.get(k, []) + self.part.get(k, [])) for k in keys}
+
+
+def take_summaries(acc: Summaries | None) -> dict[str, torch.Tensor]:
+    """``Chunking.take``: the block's summaries (rows in expert order), cleared from ``acc``."""
+    if acc is None:
+        return {}
+    part, acc.part = acc.part, {}
+    return {k: torch.cat(v) for k, v in part.items()}
+
+
+def add_summaries(acc: Summaries | None, part: dict[str, torch.Tensor]) -> Summaries:
+    """``Chunking.add``: a block's summaries after the blocks before it (a concatenation: no sums, so the
+    rows are one process's whichever rank gathered them)."""
+    acc = acc if acc is not None else Summaries()
+    for k, v in part.items():
+        acc.total.setdefault(k, []).append(v)
+    return acc
 
 
 def weight_pairs(cfg: MergeOptions) -> bool:
@@ -39,12 +73,12 @@ def weight_pairs(cfg: MergeOptions) -> bool:
 
 
 def gather_pair(a: MoELayer, b: MoELayer, cfg: MergeOptions, rows: tuple[int, int], experts: int,
-                acc: dict | None) -> dict:  # fmt: skip
+                acc: Summaries | None) -> Summaries:  # fmt: skip
     """``Chunking.pair``: the block of the ``[experts, experts]`` weight Gram
     (:func:`~moecompress.methods.weight_gram.gram_block`) between chunk ``a`` and chunk ``b`` (``b is a`` on
     the diagonal), whose first experts are the layer's ``rows``, written into ``acc["gram"]`` and its mirror."""
-    acc = acc if acc is not None else {}
-    g = acc.setdefault("gram", [torch.zeros(experts, experts, dtype=torch.float64)])[0]
+    acc = acc if acc is not None else Summaries()
+    g = acc.part.setdefault("gram", [torch.zeros(experts, experts, dtype=torch.float64)])[0]
     (ra, rb), na, nb = rows, a.experts.num_experts, b.experts.num_experts
     block = gram_block(*((_flat(a),) if b is a else (_flat(a), _flat(b))))
     g[ra : ra + na, rb : rb + nb] = block
@@ -56,12 +90,12 @@ def _flat(layer: MoELayer) -> list[torch.Tensor]:
     return [getattr(layer.experts, p).dense() for p in PROJ]
 
 
-def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: dict | None) -> dict:
+def gather_summaries(sub: MoELayer, stats: LayerStats, cfg: MergeOptions, acc: Summaries | None) -> Summaries:
     """The first sweep's fold: a chunk's :func:`expert_summaries`, in chunk order."""
     part = expert_summaries(sub, fit_held(stats)[0], cfg)
-    acc = acc if acc is not None else {}
+    acc = acc if acc is not None else Summaries()
     for k, v in part.items():
-        acc.setdefault(k, []).append(v)
+        acc.part.setdefault(k, []).append(v)
     return acc
 
 
@@ -128,7 +162,10 @@ class GroupDecision:
     layer's held-back error: then :attr:`sweeps` is 2"""
     choice: str | None = None
     refine_info: dict | None = None
-    acc: dict[str, torch.Tensor] = field(default_factory=dict)
+    terms: dict[str, dict[int, dict]] = field(default_factory=dict)
+    """Per state (``before``, ``after``, ``after:<candidate>``) the routed experts' terms on the held-back
+    tokens (:func:`held_terms`), by expert: summed in expert order (:func:`terms_sum`) they are one forward
+    of the whole layer's, bit for bit, whichever units and ranks made them."""
 
     @property
     def sweeps(self) -> int:
@@ -136,12 +173,16 @@ class GroupDecision:
         return 2 if self.variants is not None and any(len(g) > 1 for g in self.plan.groups) else 1
 
     def fold(self, info: dict) -> None:
-        """A unit's shares of the held-back outputs (``info["_held"]``) added to the layer's, and dropped."""
-        for k, t in info.pop("_held", {}).items():
-            self.acc[k] = self.acc[k] + t if k in self.acc else t
+        """A unit's terms on the held-back tokens (``info["_held"]``) kept with the layer's, and dropped."""
+        for k, terms in info.pop("_held", {}).items():
+            self.terms.setdefault(k, {}).update((int(t["e"]), t) for t in terms)
 
     def _error(self, after: str) -> float:
-        before, y = self.acc["before"], self.acc[after]
+        """The held-back relative error of state ``after`` as :meth:`MergePlan.held_error` gives it on the
+        whole layer: each state's output one ``experts_forward``'s sums plus the shared expert's."""
+        x = self.plan.x_held
+        before = terms_sum(self.terms.get("before", {}), x, self.plan.layer.experts.down.decode)
+        y = terms_sum(self.terms.get(after, {}), x, self.shell.experts.down.decode)
         if self.shared is not None:
             before, y = before + self.shared, y + self.shared
         return relative_error(before, y)
@@ -151,7 +192,7 @@ class GroupDecision:
         refinement when it lowers the held-back error, else the merge), as :func:`namex._refine_all`."""
         for info in infos:
             self.fold(info)
-        errs = {k.split(":", 1)[1]: self._error(k) for k in self.acc if k.startswith("after:")}
+        errs = {k.split(":", 1)[1]: self._error(k) for k in self.terms if k.startswith("after:")}
         keep = errs["complex"] < errs["unrefined"]
         losses: dict[str, dict] = {}
         for info in infos:
@@ -163,7 +204,7 @@ class GroupDecision:
             "refine_fit_loss": losses,
         }  # fmt: skip
         self.choice = "complex" if keep else "unrefined"
-        self.acc = {}
+        self.terms = {}
 
     def units(self, size: int) -> list[tuple[int, int]]:
         """Consecutive groups ``[lo, hi)`` of at most ``size`` members together (a larger group alone)."""
@@ -182,10 +223,10 @@ class GroupDecision:
         return sorted(m for g in self.plan.groups[lo:hi] for m in g)
 
 
-def fit_groups(acc: dict | None, shell: MoELayer, stats: LayerStats, cfg: MergeOptions) -> GroupDecision:
+def fit_groups(acc: Summaries | None, shell: MoELayer, stats: LayerStats, cfg: MergeOptions) -> GroupDecision:
     """The groups from the summaries gathered over the chunks (exactly the whole layer's: the same
     features, rows in expert order), and the layer the step makes (its experts on ``meta``)."""
-    sums = {k: torch.cat(v) for k, v in (acc or {}).items()}
+    sums = acc.sums() if acc is not None else {}
     plan = plan_merge(shell, stats, cfg, sums)
     after = plan.build({})  # shapes: every group's tensors taken from the meta bank
     info = {
@@ -221,21 +262,49 @@ def run_unit(dec: GroupDecision, lo: int, hi: int, bank: ExpertBank, merge_group
         cands.update(dec.variants(unit, merged, cfg, lo, only=dec.choice)[0])
     x = unit.x_held
     ids, w = unit._routes["held"]
+    members = dec.members(lo, hi)
     lut = torch.full((dec.plan.layer.router.num_experts + 1,), bank.num_experts, dtype=torch.long)
-    lut[torch.tensor(dec.members(lo, hi))] = torch.arange(bank.num_experts)
-    held = {"before": experts_forward(bank, x, lut[ids], w)}
+    lut[torch.tensor(members)] = torch.arange(bank.num_experts)
+    held = {"before": held_terms(bank, x, lut[ids], w, members)}
     a_ids, a_w = route(dec.shell, x)
     if dec.shell.expert_map is not None:
         a_ids = dec.shell.expert_map[a_ids]
     local = torch.where((a_ids >= lo) & (a_ids < hi), a_ids - lo, torch.full_like(a_ids, hi - lo))
+    outs = list(range(lo, hi))
     info = {**extra, "neurons_moved": unit.moved}
     if dec.sweeps == 2 and dec.choice is None:
         for name, m in cands.items():
-            held[f"after:{name}"] = experts_forward(unit.bank_of(m), x, local, a_w)
+            held[f"after:{name}"] = held_terms(unit.bank_of(m), x, local, a_w, outs)
         return None, {**info, "_held": held, "refine_fit_loss": report or {}}
     new = unit.bank_of(cands[dec.choice or "unrefined"])
-    held["after"] = experts_forward(new, x, local, a_w)
+    held["after"] = held_terms(new, x, local, a_w, outs)
     return new, {**info, "_held": held}
+
+
+def held_terms(bank: ExpertBank, x: torch.Tensor, local: torch.Tensor, w: torch.Tensor, ids: list[int]) -> list[dict]:
+    """The terms (:func:`~moecompress.reference.expert_terms`) of ``bank``'s experts on ``x``, routed by
+    ``local`` ``[T, k]`` (``bank.num_experts``: not in the bank) with weights ``w``, each named by its
+    expert in the layer (``ids[row]``): plain values, so that they travel between ranks."""
+    out = []
+    for t in expert_terms(bank, x, physical_ids(local, bank.num_experts), w):
+        d = {"e": ids[t.expert], "tok": t.tok, "space": t.space, "part": t.part}
+        if t.bias is not None:
+            d["bias"] = t.bias
+        out.append(d)
+    return out
+
+
+def terms_sum(terms: dict[int, dict], x: torch.Tensor, decode: Callable) -> torch.Tensor:
+    """The float32 ``[T, H]`` sum of ``terms`` (:func:`held_terms`) added in expert order, then decoded:
+    :func:`~moecompress.reference.experts_forward`'s additions on the whole bank, bit for bit."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc: dict[str, torch.Tensor] = {}
+    for e in sorted(terms):
+        t = terms[e]
+        add_term(Term(e, t["tok"], t["space"], t["part"], t.get("bias")), out, acc)
+    for space, value in acc.items():
+        out += decode(space, value).float()
+    return out
 
 
 def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDecision) -> dict:
@@ -257,5 +326,5 @@ def merge_units(infos: list[dict], bounds: list[tuple[int, int]], dec: GroupDeci
                 out[k] = v
     if dec.refine_info is not None:
         out.update(dec.refine_info)
-    dec.acc = {}
+    dec.terms = {}
     return out

@@ -252,6 +252,12 @@ def two_phase(cfg: TdmoeConfig, members: int) -> bool:
     return cfg.method == "hosvd" and cfg.budget != "from_structure" and (cfg.r1 is None or cfg.r1 >= members)
 
 
+def _extras(cfg: TdmoeConfig) -> tuple[str, ...]:
+    """tensorly (``decompose``) where a layer may need it: ``hooi``, ``budget: from_structure``, or ``r1`` set
+    (below a layer's experts, :func:`two_phase`); the default runs in two phases without it."""
+    return () if cfg.method == "hosvd" and cfg.budget != "from_structure" and cfg.r1 is None else ("decompose",)
+
+
 def _workspace(layer: MoELayer, cfg: TdmoeConfig) -> int:
     """In two phases (:func:`two_phase`): :func:`~.tdmoe_chunks.phases` with every expert's core, the output
     counted in the last phase only;
@@ -271,7 +277,7 @@ SPEC = PassSpec(
     plans=lambda cfg: cfg.budget == "adaptive",
     needs_fn=lambda cfg: whitening_needs(cfg.whitening) | {"io_sample"}
     | ({"out_grad_cov"} if cfg.budget == "adaptive" else set()),
-    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=("decompose",), workspace=_workspace,
+    summarize=lambda infos, cfg: _summarize(infos, cfg), extras=_extras, workspace=_workspace,
     alters=frozenset({"weights"}),
     chunking=Chunking("expert", merge=merge_tdmoe, refuse=refuse_chunks, refuse_layer=refuse_layer,
                       gather=gather, fit=fit, take=take, add=add, workspace=chunk_workspace),
