@@ -228,11 +228,10 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
     order: the same value)."""
     step, mode, idx = lp.steps[s], lp.steps[s].spec.chunking, lp.idx
     where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
-    bounds = list(chunks.bounds(lp.shells[0].router.num_experts, size))
     acc: Any = None
     try:
         if mode.pairs is not None and mode.pairs(step.config):
-            acc = _gather_pairs(lp, s, bounds, where)
+            acc = _gather_pairs(lp, s, list(chunks.bounds(lp.shells[0].router.num_experts, size)), where)
         elif mode.take is not None:  # by fixed blocks, shared out over the ranks
             def read(a: int, b: int) -> Any:
                 return _gathered_chunk(lp, s, a, b, where)
@@ -240,7 +239,7 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
             ranges = block_sweep.blocks(lp.shells[s].router.num_experts, lp.kept_of[:s])
             acc = block_sweep.sweep(step, idx, ranges, size, read, lp.ctx.ranks)
         else:
-            for a, b in bounds:
+            for a, b in chunks.bounds(lp.shells[0].router.num_experts, size):
                 got = _gathered_chunk(lp, s, a, b, where)
                 if got is not None:
                     acc = mode.gather(got[0], got[1], step.config, acc)

@@ -3,7 +3,10 @@ and ``merge_experts``: a first sweep gathers each expert's summary chunk by chun
 (:func:`gather_summaries`), the groups are decided once per layer on the shell (:func:`fit_groups`: the
 whole layer's groups, :class:`GroupDecision`), then each unit of consecutive groups is read and merged
 (:func:`run_unit`) and the layer's info made from the units' (:func:`merge_units`). The engine's side is
-:mod:`moecompress.engine.layer_run` (``_grouped_layer``)."""
+:mod:`moecompress.engine.layer_run` (``_grouped_layer``). The summaries go by fixed blocks under ``torchrun``
+(:class:`Summaries`), and the held-back errors are added from the units' per-expert terms in expert order
+(:func:`held_terms`, :func:`terms_sum`): the units give the whole layer's bytes and report, so a layer not
+chunked by request is shared out by units over the ranks too (``Chunking.exact``)."""
 
 from __future__ import annotations
 
