@@ -764,11 +764,11 @@ def test_a_pass_error_on_another_rank_is_raised_on_rank_0_with_its_line(model):
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s each)
-def test_gptq_sharded_by_experts_and_balanced_svd_held_whole_are_byte_identical(model):
-    """gptq is exact by chunks (per-expert Hessians): its layers are shared out; svd_experts' balanced ranks
-    are not (each chunk picks its own experts' extra ranks), so under torchrun its layers stay whole: one process's bytes."""
+def test_gptq_and_balanced_svd_sharded_by_experts_are_byte_identical(model):
+    """gptq is exact by chunks (per-expert Hessians): its layers are shared out; so are svd_experts' with
+    balanced ranks, which the ranks choose from the whole layer's spectra (gathered by blocks): one process's bytes."""
     _compare_sharded(model, "gq", [{"gptq": {"bits": 4, "group_size": 16}}], served=2 * LOOP_UNITS_PER_RANK)
-    _compare(model, "sb", [{"svd_experts": {"ratio": 0.4}}])
+    _compare_sharded(model, "sb", [{"svd_experts": {"ratio": 0.4}}], served=2 * LOOP_UNITS_PER_RANK)
 
 
 # rank 1 starts its gathers only once rank 0 has started all of its own (a marker file): rank 0's starts do not

@@ -97,58 +97,12 @@ def _step_reports(out) -> tuple[list[dict], list[float]]:
     return rows, errors
 
 
-def test_tdmoe_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch):
-    """``tdmoe`` (shared factors fitted from every expert) on two ranks without ``expert_chunk``: the layer
-    goes by units (not whole on rank 0), its first sweep by blocks, each block read by one rank only
-    (:mod:`moecompress.engine.block_sweep`), then each unit projected by one rank: every expert is read
-    exactly twice in all, by both ranks together, and the bytes are one process's."""
-    pytest.importorskip("tensorly")
-    recs = []
-    for tag in ("one", "two"):  # one statistics cache: the layer loop's reads only
-        rec = {"model": str(model), "output": str(tmp_path / tag), "steps": [{"tdmoe": SAMPLES["tdmoe"]}],
-               "calibration": {**CAL, "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
-        (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
-        recs.append(tmp_path / f"{tag}.yaml")
-    with _one_thread():
-        mc.apply(str(recs[0]), progress=False)
-        rec = mc.load_recipe(str(recs[1]))
-        ckpt = open_checkpoint(rec.model)
-        reads, real = [], ckpt.read_experts
-        monkeypatch.setattr(ckpt, "read_experts", lambda i, a, b, alloc=None: reads.append(
-            (threading.current_thread().name, i, a, b)) or real(i, a, b, alloc))  # fmt: skip
-        plan, fp, wire, errors = dry_run(rec, ckpt), executor._check_calibration_source(rec, ckpt), {}, []
-
-        def other() -> None:
-            try:
-                executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(1, 2, wire=wire))
-            except BaseException as err:
-                errors.append(err)
-
-        t = threading.Thread(target=other, name="rank1")
-        t.start()
-        executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(0, 2, wire=wire))
-        t.join(120)
-    assert not t.is_alive() and not errors, errors
-    assert _hashes(tmp_path / "two") == _hashes(tmp_path / "one")
-    e = ckpt.adapter.num_experts
-    for i in ckpt.moe_layer_indices:
-        mine = [(who, b - a) for who, j, a, b in reads if j == i]
-        assert sum(n for _, n in mine) == 2 * e, (i, mine)  # each expert: once to gather, once to project
-        assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}
-
-
-@pytest.mark.parametrize("chunk", [3, "off"])
-@pytest.mark.parametrize("step", [{"merge_experts": {"ratio": 0.25}},
-                                  {"namex": {"ratio": 0.25, "similarity": "output_tokens", "refine_steps": 0}}])
-def test_a_merge_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch, step, chunk):
-    """A merge on two ranks, by units of groups (``expert_chunk: 3``, and without it: the layer is shared out
-    by units, not run whole on rank 0): its gathering sweep goes by blocks (``Chunking.take``), each block
-    read by one rank only and the summaries exchanged, then each unit's members read by the unit's rank:
-    every expert is read exactly twice in all (by chunks each rank repeated the sweep before: three times),
-    by both ranks together, and the bytes and the step reports are one process's (a layer held whole)."""
+def _one_and_two_ranks(tmp_path, model, monkeypatch, steps: list, chunk="off", emit: str = "final") -> tuple:
+    """``steps`` in one process (a layer held whole), then on two ranks (``expert_chunk: chunk``) with one
+    statistics cache: ``(checkpoint, reads)``, the two ranks' reads of experts as ``(thread, layer, a, b)``."""
     recs = []
     for tag in ("one", "two"):
-        rec = {"model": str(model), "output": str(tmp_path / tag), "steps": [step], "emit": "every_step",
+        rec = {"model": str(model), "output": str(tmp_path / tag), "steps": steps, "emit": emit,
                "expert_chunk": chunk if tag == "two" else "off",
                "calibration": {**CAL, "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
         (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
@@ -174,14 +128,63 @@ def test_a_merge_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch, st
         t.join(120)
     assert not t.is_alive() and not errors, errors
     assert _hashes(tmp_path / "two") == _hashes(tmp_path / "one")
+    return ckpt, reads
+
+
+def _read_twice_by_both(ckpt, reads) -> None:
+    """Every expert read exactly twice in all (once to gather, once in its unit), by both ranks together."""
+    e = ckpt.adapter.num_experts
+    for i in ckpt.moe_layer_indices:
+        mine = [(who, b - a) for who, j, a, b in reads if j == i]
+        assert sum(n for _, n in mine) == 2 * e, (i, mine)
+        assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}
+
+
+def test_tdmoe_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch):
+    """``tdmoe`` (shared factors fitted from every expert) on two ranks without ``expert_chunk``: the layer
+    goes by units (not whole on rank 0), its first sweep by blocks, each block read by one rank only
+    (:mod:`moecompress.engine.block_sweep`), then each unit projected by one rank: every expert is read
+    exactly twice in all, by both ranks together, and the bytes are one process's."""
+    pytest.importorskip("tensorly")
+    _read_twice_by_both(*_one_and_two_ranks(tmp_path, model, monkeypatch, [{"tdmoe": SAMPLES["tdmoe"]}]))
+
+
+def test_balanced_svd_goes_by_units_factorising_each_expert_once(tmp_path, model, monkeypatch):
+    """``svd_experts`` with ``ranks: balanced`` (its default: the extra ranks go to the layer's experts with the
+    largest next singular values) on two ranks without ``expert_chunk``: the layer is shared out by units, not
+    run whole on rank 0. The ranks factorise the layer's blocks, exchange the next singular values, every
+    rank makes the whole layer's choice, and each unit cuts the factors its rank kept: every expert is read
+    twice and factorised once per projection in all, and the bytes and the report (the averaged whitened
+    error too) are one process's."""
+    from moecompress.methods import svd
+
+    calls, real = [], svd.whitened_svd
+    monkeypatch.setattr(svd, "whitened_svd", lambda *a: calls.append(1) or real(*a))
+    step = {"svd_experts": {"ratio": 0.4}}
+    ckpt, reads = _one_and_two_ranks(tmp_path, model, monkeypatch, [step])
+    _read_twice_by_both(ckpt, reads)
+    layers, e = len(ckpt.moe_layer_indices), ckpt.adapter.num_experts
+    assert len(calls) == 2 * 3 * layers * e  # one process's factorisations, then the two ranks' (no repeat)
+    (rows, _), (rows1, _) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
+    assert rows == rows1
+    ranks = rows[0]["layers"][0]["info"]["ranks"]["gate"]
+    assert len(set(ranks)) == 2, ranks  # the ratio leaves extra ranks to choose: the choice is tested
+
+
+@pytest.mark.parametrize("chunk", [3, "off"])
+@pytest.mark.parametrize("step", [{"merge_experts": {"ratio": 0.25}},
+                                  {"namex": {"ratio": 0.25, "similarity": "output_tokens", "refine_steps": 0}}])
+def test_a_merge_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch, step, chunk):
+    """A merge on two ranks, by units of groups (``expert_chunk: 3``, and without it: the layer is shared out
+    by units, not run whole on rank 0): its gathering sweep goes by blocks (``Chunking.take``), each block
+    read by one rank only and the summaries exchanged, then each unit's members read by the unit's rank:
+    every expert is read exactly twice in all (by chunks each rank repeated the sweep before: three times),
+    by both ranks together, and the bytes and the step reports are one process's (a layer held whole)."""
+    ckpt, reads = _one_and_two_ranks(tmp_path, model, monkeypatch, [step], chunk, "every_step")
     (rows, errs), (rows1, errs1) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
     for r in rows:  # by request only: a unit over the dry run's plan
         for row in r["layers"]:
             row["info"].pop("largest_unit", None)
     assert rows == rows1  # the merge's own held-back errors included: one process's bits
     assert errs == pytest.approx(errs1, rel=16 * torch.finfo(torch.float32).eps)
-    e = ckpt.adapter.num_experts
-    for i in ckpt.moe_layer_indices:
-        mine = [(who, b - a) for who, j, a, b in reads if j == i]
-        assert sum(n for _, n in mine) == 2 * e, (i, mine)  # each expert: once to gather, once to merge
-        assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}
+    _read_twice_by_both(ckpt, reads)  # by chunks each rank repeated the sweep before: three times

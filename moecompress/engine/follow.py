@@ -128,9 +128,10 @@ def _walk(steps: Sequence[Any], recalibrate: bool | str) -> tuple[list[dict[str,
     return out, cut
 
 
-def _gathers(step: Any) -> bool:
-    """A two-phase step by chunks (``Chunking.gather``): its first sweep reads the layer's experts."""
-    return step.spec.chunking is not None and step.spec.chunking.gather is not None
+def _gathers(step: Any, units: bool = False) -> bool:
+    """A two-phase step on a layer held by chunks by request (``units``: shared out by units under
+    ``torchrun``; ``Chunking.phases``): its first sweep reads the layer's experts."""
+    return step.spec.chunking is not None and step.spec.chunking.phases(step.config, units)
 
 
 def _groups(step: Any) -> bool:
@@ -155,15 +156,18 @@ def segment_of(steps: Sequence[Any], recalibrate: bool | str = False) -> list[in
     return out
 
 
-def gather_conflict(steps: Sequence[Any], recalibrate: bool | str = False) -> tuple[Any, Any] | None:
+def gather_conflict(
+    steps: Sequence[Any], recalibrate: bool | str = False, units: bool = False
+) -> tuple[Any, Any] | None:
     """``(earlier, step)``: a two-phase step (``Chunking.gather``) after a per-expert step of its segment that
-    changes the layer, which its first sweep would have to rerun on every chunk (``None``: none)."""
+    changes the layer, which its first sweep would have to rerun on every chunk (``None``: none); ``units``:
+    on a layer shared out by units under ``torchrun`` rather than chunked by request."""
     fresh = set(_walk(steps, recalibrate)[1]) if recalibrate else set()
     changer = None
     for index, step in enumerate(steps):
         if index in fresh or step.spec.stage is not None:
             changer = None
-        if changer is not None and _gathers(step):
+        if changer is not None and _gathers(step, units):
             return changer, step
         if changer is None and _changes_experts(step):
             changer = step

@@ -92,6 +92,9 @@ class LayerStats(Mapping[str, torch.Tensor]):
     prelude: Any = None
     """On a chunk of a layer held by chunks of experts, what the step's ``Chunking.prelude`` computed once
     for the layer (made the chunk's by its ``chunk(a, b)``, if it has one); ``None`` on a whole layer."""
+    first: int = 0
+    """On a chunk of a layer held by chunks of experts, its first expert in the step's input (both sweeps of a
+    two-phase step); ``0`` on a whole layer."""
 
     def __post_init__(self) -> None:
         names = frozenset(self.tensors) if self.declared is None else self.declared
@@ -110,10 +113,11 @@ class LayerStats(Mapping[str, torch.Tensor]):
         plan: Any = None,
         protected: frozenset[int] = frozenset(),
         prelude: Any = None,
+        first: int = 0,
     ) -> LayerStats:
         """The read-only view of ``available`` (a cache entry's layer) holding the statistics ``needs``
         names, with their companion tensors (``io_sample`` -> ``io_sample_x``, ``io_sample_y``)."""
-        return cls(index, available, tensor_names(needs), plan, protected, step, prelude)
+        return cls(index, available, tensor_names(needs), plan, protected, step, prelude, first)
 
     def _declared(self, name: str) -> None:
         if name not in self.declared:  # type: ignore[operator]
@@ -215,6 +219,11 @@ class Chunking:
     gathers its blocks and every rank adds every block's partial in block order
     (:func:`~moecompress.engine.unit_work.gather`), so the total, and the output, are one process's. A
     configuration whose ``pairs(cfg)`` is true sweeps pairs of chunks instead (every rank repeats it).
+    ``phased(cfg, units) -> bool``: whether this configuration runs its two phases on a layer held by chunks
+    by request (``units`` false) or shared out by units under ``torchrun`` (``units`` true); where it does not,
+    its ``prelude`` (it may have one then) is its chunks' value (``None``: always two phases, no prelude).
+    ``svd_experts``' balanced ranks decide every expert's rank from the whole layer on units, where each rank
+    keeps the factors it gathered, and from the chunk's share of the total on chunks by request.
     ``workspace(chunk, cfg) -> bytes``: the step's workspace on a chunk's sub-layer when it differs from
     ``PassSpec.workspace`` on it (both phases of a two-phase step: its accumulators and its fit); the dry
     run's chunk estimate uses it.
@@ -252,6 +261,7 @@ class Chunking:
     pair: Callable[..., Any] | None = None
     take: Callable[[Any], dict[str, torch.Tensor]] | None = None
     add: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None
+    phased: Callable[[Any, bool], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select", "group"):
@@ -266,8 +276,14 @@ class Chunking:
             raise ValueError("Chunking: pairs and pair come together, on a step with gather")
         if (self.take is None) != (self.add is None) or (self.take is not None and self.gather is None):
             raise ValueError("Chunking: take and add come together, on a step with gather")
-        if self.gather is not None and self.prelude is not None:
-            raise ValueError("Chunking: a step has a prelude or gather/fit, not both")
+        if self.gather is not None and self.prelude is not None and self.phased is None:
+            raise ValueError("Chunking: a step has a prelude or gather/fit, not both (unless phased chooses)")
+        if self.phased is not None and self.gather is None:
+            raise ValueError("Chunking: phased chooses between gather/fit and the prelude; it needs gather")
+
+    def phases(self, cfg: Any, units: bool) -> bool:
+        """Whether the step runs its two phases (``gather``/``fit``) on a layer held by chunks (``phased``)."""
+        return self.gather is not None and (self.phased is None or self.phased(cfg, units))
 
 
 FOLD_BLOCKS = 8

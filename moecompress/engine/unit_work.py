@@ -147,6 +147,7 @@ def prepare(
         stats[dev] = {k: v.to(dev) for k, v in stats[host].items()}
     secs = [0.0] * len(steps)
     shells, kept_of, kinds, infos, preludes = [shell0], [], [], {}, {}
+    units = idx not in ctx.expert_chunks  # shared out by units under torchrun, not chunked by request
     for s, step in enumerate(steps):  # the selections, once per layer, on the shell
         mode = step.spec.chunking
         if mode is None:
@@ -174,7 +175,7 @@ def prepare(
             why = mode.refuse_layer(new, step.config) if mode.refuse_layer is not None else None
             if why is not None:
                 raise PassError(f"{step.label}, layer {idx}: {why}")
-            if mode.prelude is not None:  # once per layer (a rotation of the MoE input), given to every chunk
+            if mode.prelude is not None and not mode.phases(step.config, units):  # once per layer (a rotation of the MoE input), given to every chunk
                 try:
                     preludes[s] = mode.prelude(new, st, step.config)
                 except MoecompressError as e:
@@ -187,7 +188,7 @@ def prepare(
         rows = rows if rows else LayerRows(entry, idx, frozenset(SPILLED))
     lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, None, rows, preludes)
     for s, step in enumerate(steps):
-        if step.spec.chunking.gather is not None:
+        if step.spec.chunking.phases(step.config, units):
             if size is None:
                 raise PassError(f"{step.label}, layer {idx}: a two-phase step needs the chunk size to gather")
             t0 = time.perf_counter()
@@ -291,7 +292,7 @@ def _gathered_chunk(lp: LayerPlan, s: int, a: int, b: int, where: torch.device):
     n = bank.num_experts
     sub = layer_to(chunks.sub_layer(lp.shells[s], bank, g0), where)
     st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
-                    plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n))  # fmt: skip
+                    plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), first=g0)  # fmt: skip
     return sub, st, g0
 
 
@@ -335,7 +336,7 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
             pre = lp.preludes.get(s)
             pre = pre.chunk(g0, g0 + n) if hasattr(pre, "chunk") else pre
             st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
-                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre)  # fmt: skip
+                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre, first=g0)  # fmt: skip
             new, info = run_step(step, cur, st)
             new = chunks.as_kind(cur, new, lp.kinds[s])
             if new.router_weight is not cur.router_weight or new.shared is not cur.shared:

@@ -271,8 +271,8 @@ def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int |
         return None
     if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
         return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
-    if not merge_first(rec):
-        return None
+    if not merge_first(rec) or follow.gather_conflict(rec.steps, rec.recalibrates, units=True) is not None:
+        return None  # a first sweep would read the input's experts, not the earlier step's: whole on rank 0
     return -(-e // (n * LOOP_UNITS_PER_RANK))
 
 

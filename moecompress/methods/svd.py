@@ -79,24 +79,54 @@ def whitened_svd(w: torch.Tensor, wh: Whitener, keep: int) -> tuple[torch.Tensor
     return u, v, s
 
 
+def kept_rank(out: int, inn: int, base: int) -> int:
+    """The rank every expert's factors are computed at before each is cut to its own: ``⌊c⌋ + 1`` (one more
+    than ``ranks: balanced`` gives every expert), at most ``min(out, in)``. It depends on the projection's shape
+    and ratio alone, not on how many experts are decomposed together, so that a unit of a layer computes every
+    expert's factors with the whole layer's products (:func:`factorize`)."""
+    return min(base + 1, out, inn)
+
+
+def factor_experts(w: torch.Tensor, wh: Whitener, keep: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per expert of ``w`` ``[M, out, in]``: ``(u [out, keep], v [keep, in])`` in ``w``'s dtype and its whitened
+    singular values ``s`` (float64, descending), one expert at a time (:func:`whitened_svd`)."""
+    out = []
+    for m in range(w.shape[0]):
+        u, v, s = whitened_svd(w[m], wh, keep)
+        out.append((u.to(w.dtype), v.to(w.dtype), s))
+    return out
+
+
+def greedy_ranks(nxt: torch.Tensor, base: int, extra: int, keep: int) -> torch.Tensor:
+    """The ranks of ``M`` experts (int64 ``[M]``): ``min(base, keep)`` each, and one more for the ``extra`` whose
+    next whitened singular value ``nxt`` (``s[base]`` of each, ``[M]``) is largest (ties: the lower expert)."""
+    ranks = torch.full((nxt.shape[0],), min(base, keep), dtype=torch.int64, device=nxt.device)
+    if keep > base and extra:
+        ranks[nxt.sort(descending=True, stable=True).indices[:extra]] += 1
+    return ranks
+
+
+def cut(factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], ranks: list[int]
+        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:  # fmt: skip
+    """Each expert's factors cut to its rank, and its relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F``
+    (float64 ``[M]``) from its singular values."""
+    errs = []
+    for (_, _, s), r in zip(factors, ranks):
+        energy = s.pow(2)
+        errs.append((energy[r:].sum() / energy.sum().clamp_min(1e-300)).sqrt())
+    err = torch.stack(errs) if errs else torch.zeros(0, dtype=torch.float64)
+    return [(u[:, :r].contiguous(), v[:r].contiguous()) for (u, v, _), r in zip(factors, ranks)], err
+
+
 def factorize(
     w: torch.Tensor, wh: Whitener, base: int, extra: int = 0
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Whitened truncated SVD of ``w`` ``[M, out, in]``: per expert ``(u [out, r], v [r, in])`` in
-    ``w``'s dtype, and the relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F`` per expert. One expert at
-    a time in float64 (:func:`whitened_svd`); only the kept factors (in ``w``'s dtype) accumulate."""
-    keep = min(base + (1 if extra else 0), *w.shape[1:])
-    us, vs, ss = [], [], []
-    for m in range(w.shape[0]):
-        u, v, s = whitened_svd(w[m], wh, keep)
-        us.append(u.to(w.dtype))
-        vs.append(v.to(w.dtype))
-        ss.append(s)
-    s = torch.stack(ss) if ss else w.new_zeros(0, min(w.shape[1:]), dtype=torch.float64)
-    ranks = torch.full((w.shape[0],), min(base, keep), dtype=torch.int64, device=s.device)
-    if keep > base:  # the extra ranks go where the next singular value is largest
-        ranks[s[:, base].sort(descending=True, stable=True).indices[:extra]] += 1
-    energy = s.pow(2)
-    kept = torch.arange(s.shape[1], device=s.device)[None, :] < ranks[:, None]
-    err = (energy.masked_fill(kept, 0).sum(1) / energy.sum(1).clamp_min(1e-300)).sqrt()
-    return [(us[m][:, :r].contiguous(), vs[m][:r].contiguous()) for m, r in enumerate(ranks.tolist())], err
+    ``w``'s dtype, and the relative whitened error ``‖W_w − Ŵ_w‖_F / ‖W_w‖_F`` per expert. Every expert's
+    factors are computed at :func:`kept_rank` in float64, one expert at a time (:func:`factor_experts`), then
+    cut to ``base``, the ``extra`` experts whose next singular value is largest to ``base + 1``
+    (:func:`greedy_ranks`)."""
+    keep = kept_rank(*w.shape[1:], base)
+    factors = factor_experts(w, wh, keep)
+    nxt = torch.stack([s[min(base, len(s) - 1)] for _, _, s in factors]) if factors else torch.zeros(0)
+    return cut(factors, greedy_ranks(nxt, base, extra, keep).tolist())

@@ -33,6 +33,15 @@ allocation (which of the experts gets the extra ranks is chosen within each chun
 routed expert is written in the ``lowrank`` layout, also one whose experts are all protected (all stored
 dense in it), so that chunks join.
 
+**Under ``torchrun``** a layer not chunked by request is shared out by units of experts with the whole
+layer's bytes, ``ranks: balanced`` included, in two phases (``Chunking.phased``): the ranks factorise the
+layer's fixed blocks (:mod:`~moecompress.engine.block_sweep`, block ``k`` on rank ``k mod N``), each keeping
+its experts' factors at :func:`~moecompress.methods.svd.kept_rank` and sending every expert's next whitened
+singular value; every rank then makes the whole layer's greedy choice (:func:`fit_ranks`) and each unit
+cuts its experts' factors to their ranks, factorising only the experts another rank gathered (the same
+function on the same expert: the same bits). The whitened error is averaged with ``math.fsum`` over the
+experts' own errors, so the report is the whole layer's too.
+
 Protected (super) experts keep all three projections dense and bit-identical; shared experts, routers
 and biases are untouched. Input must be dense: decompose before neuron pruning, or prune with
 ``layout: uniform``.
@@ -52,8 +61,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import field
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from moecompress.engine.spec import Chunking, LayerStats, PassConfig, PassSpec, shifted_ids
@@ -62,8 +73,18 @@ from moecompress.ir import ExpertBank, MoELayer
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.lowrank import LowRank
 from moecompress.layouts.ragged import Ragged
-from moecompress.methods.svd import factorize, factorize_workspace, rank_share, rank_split
+from moecompress.methods.svd import (
+    cut,
+    factor_experts,
+    factorize,
+    factorize_workspace,
+    greedy_ranks,
+    kept_rank,
+    rank_share,
+    rank_split,
+)
 from moecompress.methods.whitening import ALL_NEEDS, projection_whiteners, whitener_bytes, whitening_needs
+from moecompress.passes.merge_units import Summaries, add_summaries, take_summaries
 
 PROJ = ("gate", "up", "down")
 
@@ -155,15 +176,26 @@ def _workspace(layer: MoELayer, cfg: SvdExpertsConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Prelude:
-    """What a layer held by chunks of experts computes once for every chunk (:func:`prelude`): the pooled
-    whiteners, which physical experts are protected, and (:meth:`chunk`) the chunk's first expert."""
+    """What a layer held by chunks of experts computes once for every chunk (:func:`prelude`, or
+    :func:`fit_ranks` after the first sweep): the pooled whiteners, which physical experts are protected,
+    (:meth:`chunk`) the chunk's first expert; after a first sweep, every expert's rank per projection
+    (``None``: protected) and the factors this rank made then, by ``(projection, expert)``, each taken out
+    by the unit that uses it (:meth:`factors`)."""
 
     whiteners: dict
     protected: frozenset[int]
     first: int = 0
+    ranks: dict[str, list[int | None]] | None = None
+    held: dict = field(default_factory=dict)
 
     def chunk(self, a: int, b: int) -> Prelude:
         return dataclasses.replace(self, first=a)
+
+    def factors(self, name: str, e: int, w: torch.Tensor, keep: int) -> tuple:
+        """Expert ``e``'s factors of projection ``name`` at rank ``keep`` (``w``: the expert's weight): those
+        made in the first sweep (taken out of :attr:`held`), else made now, by the same function."""
+        got = self.held.pop((name, e), None)
+        return got if got is not None else factor_experts(w[None], self.whiteners[name].to(w.device), keep)[0]
 
     def before(self) -> int:
         """Decomposed (not protected) experts of the layer before the chunk."""
@@ -189,6 +221,74 @@ def prelude(shell: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> Prelud
     return Prelude(projection_whiteners(stats, cfg.whitening, cfg.input_form), protected)
 
 
+@dataclasses.dataclass
+class Spectra(Summaries):
+    """The first sweep's accumulator on one rank (:func:`gather_spectra`): per expert of the step's input in
+    expert order, whether it is decomposed (``todo``) and its next whitened singular value per projection
+    (``next.gate`` ..., ``s[⌊c⌋]``; NaN where protected), as :class:`~.merge_units.Summaries` rows; the
+    whiteners, made once; the factors this rank made, by ``(projection, expert)``."""
+
+    whiteners: dict | None = None
+    held: dict = field(default_factory=dict)
+
+
+def gather_spectra(sub: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig, acc: Spectra | None) -> Spectra:
+    """``Chunking.gather``: every decomposed expert of the chunk factorised at
+    :func:`~moecompress.methods.svd.kept_rank` (kept in ``acc.held``) and its next singular value recorded."""
+    check_decomposable(sub, cfg)
+    acc = acc if acc is not None else Spectra()
+    if acc.whiteners is None:
+        acc.whiteners = projection_whiteners(stats, cfg.whitening, cfg.input_form)
+    bank = sub.experts
+    protected = {sub.physical(e) for e in sub.protected}
+    todo = [e for e in range(bank.num_experts) if e not in protected]
+    acc.part.setdefault("todo", []).append(torch.tensor([e not in protected for e in range(bank.num_experts)]))
+    for name in PROJ:
+        lay = getattr(bank, name)
+        _, out, inn = lay.shape
+        base = rank_split(out, inn, 1, cfg.ratio)[0]
+        w = lay.dense()
+        nxt = torch.full((bank.num_experts,), float("nan"), dtype=torch.float64)
+        made = factor_experts(w[todo], acc.whiteners[name].to(w.device), kept_rank(out, inn, base))
+        for e, f in zip(todo, made):
+            nxt[e] = f[2][min(base, len(f[2]) - 1)].cpu()
+            acc.held[(name, stats.first + e)] = f
+        acc.part.setdefault(f"next.{name}", []).append(nxt)
+    return acc
+
+
+def take_spectra(acc: Spectra | None) -> dict[str, torch.Tensor]:
+    """``Chunking.take``: the block's rows (:func:`~.merge_units.take_summaries`); the factors stay."""
+    return take_summaries(acc)
+
+
+def add_spectra(acc: Spectra | None, part: dict[str, torch.Tensor]) -> Spectra:
+    """``Chunking.add``: a block's rows after the blocks before it (concatenated)."""
+    return add_summaries(acc if acc is not None else Spectra(), part)  # type: ignore[return-value]
+
+
+def fit_ranks(acc: Spectra | None, shell: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> Prelude | None:
+    """``Chunking.fit``: the whole layer's greedy choice of the extra ranks
+    (:func:`~moecompress.methods.svd.greedy_ranks` on the decomposed experts' next singular values, in expert
+    order), every rank the same; ``None`` when every expert is protected."""
+    protected = frozenset(shell.physical(e) for e in shell.protected)
+    if acc is None or shell.experts.num_experts <= len(protected):
+        return None
+    rows = acc.sums()
+    ids = rows["todo"].nonzero().flatten()
+    ranks: dict[str, list[int | None]] = {}
+    for name in PROJ:
+        _, out, inn = getattr(shell.experts, name).shape
+        base, extra = rank_split(out, inn, len(ids), cfg.ratio, cfg.ranks)
+        got = greedy_ranks(rows[f"next.{name}"][ids], base, extra, kept_rank(out, inn, base)).tolist()
+        ranks[name] = [None] * shell.experts.num_experts
+        for e, r in zip(ids.tolist(), got):
+            ranks[name][e] = r
+    whiteners = acc.whiteners if acc.whiteners is not None else projection_whiteners(stats, cfg.whitening,
+                                                                                       cfg.input_form)  # fmt: skip
+    return Prelude(whiteners, protected, ranks=ranks, held=acc.held)
+
+
 def _ranks(out: int, inn: int, n: int, stats: LayerStats, cfg: SvdExpertsConfig) -> tuple[int, int]:
     """``(base, extra)`` for the ``n`` decomposed experts at hand: a whole layer's split, or a chunk's share
     of its layer's total (:func:`~moecompress.methods.svd.rank_share`)."""
@@ -207,13 +307,20 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
     info: dict = {"protected": protected, "ranks": {}, "whitened_rel_error": {}}
     # every expert protected (a whole layer, or a chunk of one): the lowrank layout, all dense, so that
     # the chunks of a layer held by chunks join
-    whiteners = _whiteners(stats, cfg) if todo else {}
+    pre = stats.prelude
+    decided = isinstance(pre, Prelude) and pre.ranks is not None  # by the first sweep, on the whole layer
+    whiteners = _whiteners(stats, cfg) if todo and not decided else {}
     lays, dec_before, dec_after = [], 0, 0
     for name in PROJ:
         lay = getattr(bank, name)
         _, out, inn = lay.shape
         w = lay.dense()
-        if todo:
+        if todo and decided:
+            keep = kept_rank(out, inn, rank_split(out, inn, 1, cfg.ratio)[0])
+            made = [pre.factors(name, pre.first + e, w[e], keep) for e in todo]
+            pairs, err = cut(made, [pre.ranks[name][pre.first + e] for e in todo])  # type: ignore[index]
+            del made
+        elif todo:
             pairs, err = factorize(
                 w[todo], whiteners[name].to(w.device), *_ranks(out, inn, len(todo), stats, cfg)
             )
@@ -224,26 +331,34 @@ def svd_experts(layer: MoELayer, stats: LayerStats, cfg: SvdExpertsConfig) -> tu
         ranks = dict(zip(todo, (int(p[0].shape[1]) for p in pairs)))
         del pairs  # not alive beside the next projection's factorisation
         info["ranks"][name] = [ranks.get(e) for e in range(bank.num_experts)]
-        info["whitened_rel_error"][name] = float(err.mean()) if err is not None else 0.0
+        errs = err.tolist() if err is not None else []
+        info["whitened_rel_error"][name] = math.fsum(errs) / len(errs) if errs else 0.0
+        info.setdefault(ERRS, {})[name] = errs  # each expert's, for merge_svd (taken out there)
         dec_before += len(todo) * out * inn
         dec_after += sum(ranks.values()) * (out + inn)
     new_bank = ExpertBank(*lays, widths=bank.widths, biases=bank.biases, act=bank.act, alpha=bank.alpha,
                           limit=bank.limit)  # fmt: skip
     info.update(params_before=bank.num_params(), params_after=new_bank.num_params(),
                 decomposed_before=dec_before, decomposed_after=dec_after)  # fmt: skip
+    if stats.prelude is None:  # a whole layer: its info is the report's
+        info.pop(ERRS)
     return layer.replace(experts=new_bank), info
+
+
+ERRS = "_expert_errors"
+"""A chunk's info: each decomposed expert's whitened error per projection, which :func:`merge_svd` averages
+as the whole layer does (``math.fsum``: the same float whatever the chunks) and leaves out of the report."""
 
 
 def merge_svd(infos: list[dict], bnds: list[tuple[int, int]], cfg: SvdExpertsConfig) -> dict:
     """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``): ranks concatenated, the
-    protected ids in the layer's numbering, counts summed, the whitened errors weighted by each chunk's
-    decomposed experts."""
+    protected ids in the layer's numbering, counts summed, the whitened errors averaged over the layer's
+    decomposed experts (their own errors, :data:`ERRS`: the whole layer's float)."""
     out: dict = {"protected": shifted_ids(infos, bnds, "protected"), "ranks": {}, "whitened_rel_error": {}}
     for name in infos[0]["ranks"]:
         out["ranks"][name] = [r for i in infos for r in i["ranks"][name]]
-        n = [sum(r is not None for r in i["ranks"][name]) for i in infos]
-        errs = [i["whitened_rel_error"][name] for i in infos]
-        out["whitened_rel_error"][name] = sum(e * k for e, k in zip(errs, n)) / sum(n) if sum(n) else 0.0
+        errs = [e for i in infos for e in i.get(ERRS, {}).get(name, [])]
+        out["whitened_rel_error"][name] = math.fsum(errs) / len(errs) if errs else 0.0
     for key in ("params_before", "params_after", "decomposed_before", "decomposed_after"):
         out[key] = sum(i[key] for i in infos)
     return out
@@ -288,5 +403,8 @@ SPEC = PassSpec(
     "svd_experts", SvdExpertsConfig, svd_experts, needs=ALL_NEEDS, emits=_emits, check=check_decomposable,
     needs_fn=lambda cfg: whitening_needs(cfg.whitening), summarize=lambda infos, cfg: summarize_svd(infos, cfg),
     on_device=True, workspace=_workspace, alters=frozenset({"weights"}),
-    chunking=Chunking("expert", merge=merge_svd, exact=lambda cfg: cfg.ranks == "uniform", prelude=prelude),  # pooled whiteners: per expert
+    chunking=Chunking(
+        "expert", merge=merge_svd, prelude=prelude, gather=gather_spectra, fit=fit_ranks, take=take_spectra,
+        add=add_spectra, phased=lambda cfg, units: units and cfg.ranks == "balanced",
+    ),  # pooled whiteners: per expert; balanced ranks on units from the whole layer's spectra
 )  # fmt: skip
