@@ -8,19 +8,17 @@ itself. Every run has its own statistics cache, so the two-rank run calibrates d
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from queue_ranks import QueueRanks
+from rank_helpers import CAL, free_port, one_thread, output_hashes, rank_env
 from safetensors.torch import load, save
 from tiny import save_tiny
 
@@ -33,9 +31,6 @@ from moecompress.engine.units import LOOP_UNITS_PER_RANK
 from moecompress.errors import Interrupted, PassError, RecipeError
 from moecompress.io.checkpoint import open_checkpoint
 from moecompress.reference import moe_forward
-
-CAL = {"source": "random", "samples": 10, "seq_len": 12, "batch_size": 2, "holdout": 2}
-# 5 batches: two ranks get 3 and 2 (an uneven last round), one of them held back
 
 # rank 1 of the killed-rank test: it dies (as a crashed or OOM-killed process does) in its 3rd all-gather of
 # calibration (data-parallel rounds and the expert-sharded forward both all-gather)
@@ -54,50 +49,19 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(rank: int, world: int, port: int) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RANK": str(rank),
-            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}  # fmt: skip
-
-
 def _two_ranks(recipe, *extra, die: bool = False, timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    port = _port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         code = ["-c", DIE] if die and rank == 1 else ["-m", "moecompress.cli"]
         cmd = [sys.executable, *code, "apply", str(recipe), "--quiet", *extra]
-        procs.append(subprocess.Popen(cmd, env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=rank_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return outs
-
-
-def _bytes(p) -> bytes:
-    """A file's bytes; a config without its ``recipe_hash`` (the two recipes name different outputs)."""
-    data = p.read_bytes()
-    if p.name == "config.json":
-        text = data.decode()
-        cfg = json.loads(text)
-        digest = cfg.get("moecompress", {}).pop("recipe_hash", None)
-        assert digest is not None and text.count(digest) == 1
-        data = text.replace(digest, "").encode()
-    return data
-
-
-def _hashes(path) -> dict[str, str]:
-    """Every weight file and config (reports hold timings; the recipe names its own output)."""
-    files = [p for p in sorted(path.rglob("*")) if p.suffix == ".safetensors" or p.name.endswith("config.json")
-             or p.name.endswith(".index.json")]  # fmt: skip
-    return {str(p.relative_to(path)): hashlib.sha256(_bytes(p)).hexdigest() for p in files}
 
 
 def _recipe(tmp_path, name: str, steps: list, **over) -> tuple:
@@ -111,27 +75,15 @@ def _recipe(tmp_path, name: str, steps: list, **over) -> tuple:
     return paths
 
 
-@contextmanager
-def _one_thread():
-    """The ranks run with ``OMP_NUM_THREADS=1`` (``_env``); the one-process reference must too: with two
-    intra-op threads a matmul may split its reduction differently, and the bytes differ."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _compare(tmp_path, name: str, steps: list) -> None:
     one, two = _recipe(tmp_path, name, steps)
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     runs = _two_ranks(two)
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
-    ref = _hashes(tmp_path / f"{name}-one")
+    ref = output_hashes(tmp_path / f"{name}-one")
     assert ref and any(k.endswith(".safetensors") for k in ref)
-    assert _hashes(tmp_path / f"{name}-two") == ref
+    assert output_hashes(tmp_path / f"{name}-two") == ref
     assert not (tmp_path / f"cache-{name}-two").exists() or any((tmp_path / f"cache-{name}-two").rglob("*"))
 
 
@@ -268,7 +220,7 @@ def test_codequant_is_byte_identical(model):
 @pytest.mark.slow
 def test_a_killed_rank_fails_cleanly_and_resume_gives_the_same_bytes(model):
     one, two = _recipe(model, "k", [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 8}}])
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     first = _two_ranks(two, die=True)
     assert first[1].returncode == 9
@@ -279,27 +231,27 @@ def test_a_killed_rank_fails_cleanly_and_resume_gives_the_same_bytes(model):
     assert not (model / "k-two").exists() and not (model / ".k-two.partial").exists()
     again = _two_ranks(two, "--resume")
     assert [r.returncode for r in again] == [0, 0], [r.stderr[-2000:] for r in again]
-    assert _hashes(model / "k-two") == _hashes(model / "k-one")
+    assert output_hashes(model / "k-two") == output_hashes(model / "k-one")
 
 
 @pytest.mark.slow
 def test_torchrun_launch_is_byte_identical(model):
     one, two = _recipe(model, "tr", [{"heapr": {"ratio": 0.25}}])
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "moecompress.cli", "apply", str(two), "--quiet"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _hashes(model / "tr-two") == _hashes(model / "tr-one")
+    assert output_hashes(model / "tr-two") == output_hashes(model / "tr-one")
 
 
 def _two_nodes(recipe, *extra, timeout: int = 300, die: Path | None = None) -> list[subprocess.CompletedProcess]:
     """Two ``torchrun`` launches of one process each, ``--nnodes 2`` with the ``c10d`` rendezvous on loopback:
     two hosts, as ``docs/distributed.md`` launches them (both here, so ``LOCAL_RANK`` is 0 on each); ``die``: a
     script (:data:`DIE`) the second node runs instead of the CLI."""
-    port = _port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     procs = []
     for node in (0, 1):
@@ -321,11 +273,11 @@ def test_two_nodes_with_the_c10d_rendezvous_are_byte_identical(model):
     """``--nnodes 2`` on loopback (two launches standing in for two hosts): calibration data-parallel and the
     layer loop sharded by experts over the two nodes, the bytes of one process."""
     one, two = _recipe(model, "nn", [{"rtn": {"bits": 4, "group_size": 16}}])
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     done = _two_nodes(two)
     assert [r.returncode for r in done] == [0, 0], [r.stderr[-3000:] for r in done]
-    assert _hashes(model / "nn-two") == _hashes(model / "nn-one")
+    assert output_hashes(model / "nn-two") == output_hashes(model / "nn-one")
 
 
 @pytest.mark.slow
@@ -333,7 +285,7 @@ def test_a_killed_node_fails_cleanly_and_resume_gives_the_same_bytes(model):
     """A rank dies on the second node during calibration: both launches fail, nothing is written, and
     ``--resume`` on the two nodes gives one process's bytes."""
     one, two = _recipe(model, "kn", [{"rtn": {"bits": 4, "group_size": 16}}])
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     script = model / "die.py"
     script.write_text(DIE)
@@ -342,20 +294,20 @@ def test_a_killed_node_fails_cleanly_and_resume_gives_the_same_bytes(model):
     assert not (model / "kn-two").exists()
     again = _two_nodes(two, "--resume")
     assert [r.returncode for r in again] == [0, 0], [r.stderr[-3000:] for r in again]
-    assert _hashes(model / "kn-two") == _hashes(model / "kn-one")
+    assert output_hashes(model / "kn-two") == output_hashes(model / "kn-one")
 
 
 @pytest.mark.slow
 def test_one_process_is_unchanged_by_a_world_of_one(model):
     """WORLD_SIZE=1 (or none) is the one-process path: no process group, same bytes."""
     one, two = _recipe(model, "w1", [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 8}}])
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
     done = subprocess.run([sys.executable, "-m", "moecompress.cli", "apply", str(two), "--quiet"], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert _hashes(model / "w1-two") == _hashes(model / "w1-one")
+    assert output_hashes(model / "w1-two") == output_hashes(model / "w1-one")
 
 
 # -- the layer loop sharded by experts (engine/shard.py) ----------------------------------------
@@ -384,10 +336,10 @@ sys.exit(code)
 
 
 def _sharded(recipe, *extra, die_at: int = 0, timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):
         code = ["-c", SERVE] if rank == 1 else ["-m", "moecompress.cli"]
-        env = {**_env(rank, 2, port), "DIE_AT": str(die_at)}
+        env = {**rank_env(rank, 2, port), "DIE_AT": str(die_at)}
         cmd = [sys.executable, *code, "apply", str(recipe), "--quiet", *extra]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -407,7 +359,7 @@ def _compare_sharded(tmp_path, name: str, steps: list, served: int | None, **ove
             rec = yaml.safe_load(path.read_text())
             rec["calibration"] = {**over["calibration"], "cache_dir": rec["calibration"]["cache_dir"]}
             path.write_text(yaml.safe_dump(rec))
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     runs = _sharded(two)
     assert [r.returncode for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
@@ -415,9 +367,9 @@ def _compare_sharded(tmp_path, name: str, steps: list, served: int | None, **ove
         assert "SERVED 0" not in runs[1].stdout and "SERVED " in runs[1].stdout, runs[1].stdout[-500:]
     else:
         assert f"SERVED {served}" in runs[1].stdout
-    ref = _hashes(tmp_path / f"{name}-one")
+    ref = output_hashes(tmp_path / f"{name}-one")
     assert ref and any(k.endswith(".safetensors") for k in ref)
-    assert _hashes(tmp_path / f"{name}-two") == ref
+    assert output_hashes(tmp_path / f"{name}-two") == ref
 
 
 DATA_FREE = {"source": "none"}
@@ -461,7 +413,7 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
         rec = yaml.safe_load(path.read_text())
         small = {**rec["calibration"], "samples": 6, "seq_len": 8} if calibrated else DATA_FREE
         path.write_text(yaml.safe_dump({**rec, "calibration": small}))
-    with _one_thread():
+    with one_thread():
         ref = mc.apply(str(one), progress=False).report
     rec = mc.load_recipe(str(two))
     ckpt = open_checkpoint(rec.model)
@@ -481,7 +433,7 @@ def test_sharded_layer_loop_in_two_threads_is_byte_identical(model, chunk, calib
     written = 1 if rec.emit == "final" else len(rec.steps)  # a file per unit and written step
     files = out["layer_loop"]["unit_files"]  # one per unit and written step with tensors (a pruned expert has none)
     assert files == (units * written if by_file else 0) if not calibrated else 0 < files <= units * written
-    assert _hashes(model / f"q{chunk}{calibrated}-two") == _hashes(model / f"q{chunk}{calibrated}-one")
+    assert output_hashes(model / f"q{chunk}{calibrated}-two") == output_hashes(model / f"q{chunk}{calibrated}-one")
     assert not (model / f"q{chunk}{calibrated}-two" / UNITS).exists()
     sizes = [[(s["params_after"], s["bytes_after"]) for s in r["steps"]] for r in (ref, got)]
     assert sizes[0] == sizes[1]
@@ -592,10 +544,10 @@ distributed.stop(ranks)
 def test_a_rank_works_on_while_rank_0_has_yet_to_receive_its_message(tmp_path):
     """``wire.Outbox`` over gloo: rank 1's send returns before rank 0 receives (gloo's own send waits for
     the receive), messages arrive in order, and an error raised while making one reaches rank 0 as itself."""
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):
         cmd = [sys.executable, "-c", OUTBOX, str(tmp_path / "sent")]
-        procs.append(subprocess.Popen(cmd, env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=rank_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
     assert [p.returncode for p in procs] == [0, 0], (err0[-500:], err1[-500:])
@@ -681,7 +633,7 @@ def test_merge_units_in_two_threads_are_one_process_bytes(model, step):
     shared = yaml.safe_load(one.read_text())["calibration"]
     rec2 = yaml.safe_load(two.read_text())
     two.write_text(yaml.safe_dump({**rec2, "calibration": shared}))  # the same cache entry
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     rec = mc.load_recipe(str(two))
     ckpt = open_checkpoint(rec.model)
@@ -698,7 +650,7 @@ def test_merge_units_in_two_threads_are_one_process_bytes(model, step):
 
     shard._follow_grouped = units
     try:
-        with _one_thread():
+        with one_thread():
             t = threading.Thread(target=lambda: out.update(rank(1)))
             t.start()
             got = rank(0)
@@ -707,14 +659,14 @@ def test_merge_units_in_two_threads_are_one_process_bytes(model, step):
         shard._follow_grouped = grouped
     assert not t.is_alive() and out["layer_loop"]["layers"] == 2 and len(worked) == 2 and min(worked) >= 1
     assert got["calibration"]["cached"]
-    assert _hashes(model / f"{name}-two") == _hashes(model / f"{name}-one")
+    assert output_hashes(model / f"{name}-two") == output_hashes(model / f"{name}-one")
 
 
 @pytest.mark.slow
 def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_the_same_bytes(model):
     steps = [{"heapr": {"ratio": 0.25}}, {"rtn": {"bits": 4}}]
     one, two = _recipe(model, "kl", steps)
-    with _one_thread():
+    with one_thread():
         mc.apply(str(one), progress=False)
     first = _sharded(two, die_at=2)  # rank 1 dies in its second unit
     assert first[1].returncode == 9
@@ -725,7 +677,7 @@ def test_a_rank_killed_in_the_sharded_layer_loop_fails_cleanly_and_resume_gives_
     assert not (model / "kl-two").exists() and not (model / ".kl-two.partial").exists()
     again = _sharded(two, "--resume")
     assert [r.returncode for r in again] == [0, 0], [r.stderr[-2000:] for r in again]
-    assert _hashes(model / "kl-two") == _hashes(model / "kl-one")
+    assert output_hashes(model / "kl-two") == output_hashes(model / "kl-one")
 
 
 def _fails_on_rank_1(layer, stats, cfg):
@@ -803,10 +755,10 @@ distributed.stop(ranks)
 def test_a_rank_starts_its_gathers_without_waiting_for_the_others(tmp_path):
     """``GatherAhead`` over gloo: rank 0 starts three all-gathers while rank 1 has started none (a blocking
     gather would wait forever for the marker rank 0 writes after them); the parts arrive in rank order."""
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):
         cmd = [sys.executable, "-c", GATHER_AHEAD, str(tmp_path / "started")]
-        procs.append(subprocess.Popen(cmd, env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=rank_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
     assert [p.returncode for p in procs] == [0, 0], (err0[-500:], err1[-500:])

@@ -18,7 +18,7 @@ import torch
 import yaml
 from pass_samples import SAMPLES
 from queue_ranks import QueueRanks
-from test_distributed import CAL, _hashes, _one_thread
+from rank_helpers import CAL, one_thread, output_hashes
 from tiny import save_tiny
 
 import moecompress as mc
@@ -53,7 +53,7 @@ def test_every_builtin_pass_writes_one_process_bytes_on_two_ranks(tmp_path, mode
     if any(missing(extra) for extra in extras):
         pytest.skip(f"needs the {extras} extra")
     one, two = _recipes(tmp_path, model, name)
-    with _one_thread():
+    with one_thread():
         ref = mc.apply(str(one), progress=False).report
         rec = mc.load_recipe(str(two))
         ckpt = open_checkpoint(rec.model)
@@ -74,8 +74,8 @@ def test_every_builtin_pass_writes_one_process_bytes_on_two_ranks(tmp_path, mode
         t.join(120)
     assert not t.is_alive() and not errors, errors
     assert ref["calibration"]["batches"] == got["calibration"]["batches"]
-    weights = _hashes(tmp_path / "one")
-    assert _hashes(tmp_path / "two") == weights and (weights != {}) == (not spec.report_only)
+    weights = output_hashes(tmp_path / "one")
+    assert output_hashes(tmp_path / "two") == weights and (weights != {}) == (not spec.report_only)
     (rows, errors), (rows1, errors1) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
     assert rows == rows1
     # the held-back reconstruction error: one process forwards a layer held whole, two ranks add their units'
@@ -107,7 +107,7 @@ def _one_and_two_ranks(tmp_path, model, monkeypatch, steps: list, chunk="off", e
                "calibration": {**CAL, "cache_dir": str(tmp_path / "cache")}}  # fmt: skip
         (tmp_path / f"{tag}.yaml").write_text(yaml.safe_dump(rec))
         recs.append(tmp_path / f"{tag}.yaml")
-    with _one_thread():
+    with one_thread():
         mc.apply(str(recs[0]), progress=False)
         rec = mc.load_recipe(str(recs[1]))
         ckpt = open_checkpoint(rec.model)
@@ -127,16 +127,16 @@ def _one_and_two_ranks(tmp_path, model, monkeypatch, steps: list, chunk="off", e
         executor._compress(rec, ckpt, plan, fp, None, False, QueueRanks(0, 2, wire=wire))
         t.join(120)
     assert not t.is_alive() and not errors, errors
-    assert _hashes(tmp_path / "two") == _hashes(tmp_path / "one")
+    assert output_hashes(tmp_path / "two") == output_hashes(tmp_path / "one")
     return ckpt, reads
 
 
-def _read_twice_by_both(ckpt, reads) -> None:
-    """Every expert read exactly twice in all (once to gather, once in its unit), by both ranks together."""
+def _reads_by_both(ckpt, reads, times: int = 2) -> None:
+    """Every expert read exactly ``times`` in all (once to gather, once in its unit), by both ranks together."""
     e = ckpt.adapter.num_experts
     for i in ckpt.moe_layer_indices:
         mine = [(who, b - a) for who, j, a, b in reads if j == i]
-        assert sum(n for _, n in mine) == 2 * e, (i, mine)
+        assert sum(n for _, n in mine) == times * e, (i, mine)
         assert {who for who, _ in mine} == {"rank1", threading.current_thread().name}
 
 
@@ -146,7 +146,7 @@ def test_tdmoe_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch):
     (:mod:`moecompress.engine.block_sweep`), then each unit projected by one rank: every expert is read
     exactly twice in all, by both ranks together, and the bytes are one process's."""
     pytest.importorskip("tensorly")
-    _read_twice_by_both(*_one_and_two_ranks(tmp_path, model, monkeypatch, [{"tdmoe": SAMPLES["tdmoe"]}]))
+    _reads_by_both(*_one_and_two_ranks(tmp_path, model, monkeypatch, [{"tdmoe": SAMPLES["tdmoe"]}]))
 
 
 def test_balanced_svd_goes_by_units_factorising_each_expert_once(tmp_path, model, monkeypatch):
@@ -162,7 +162,7 @@ def test_balanced_svd_goes_by_units_factorising_each_expert_once(tmp_path, model
     monkeypatch.setattr(svd, "whitened_svd", lambda *a: calls.append(1) or real(*a))
     step = {"svd_experts": {"ratio": 0.4}}
     ckpt, reads = _one_and_two_ranks(tmp_path, model, monkeypatch, [step])
-    _read_twice_by_both(ckpt, reads)
+    _reads_by_both(ckpt, reads)
     layers, e = len(ckpt.moe_layer_indices), ckpt.adapter.num_experts
     assert len(calls) == 2 * 3 * layers * e  # one process's factorisations, then the two ranks' (no repeat)
     (rows, _), (rows1, _) = _step_reports(tmp_path / "two"), _step_reports(tmp_path / "one")
@@ -187,4 +187,12 @@ def test_a_merge_gathers_each_block_on_one_rank(tmp_path, model, monkeypatch, st
             row["info"].pop("largest_unit", None)
     assert rows == rows1  # the merge's own held-back errors included: one process's bits
     assert errs == pytest.approx(errs1, rel=16 * torch.finfo(torch.float32).eps)
-    _read_twice_by_both(ckpt, reads)  # by chunks each rank repeated the sweep before: three times
+    _reads_by_both(ckpt, reads)  # by chunks each rank repeated the sweep before: three times
+
+
+def test_a_merge_grouping_by_router_logits_reads_each_expert_once(tmp_path, model, monkeypatch):
+    """``similarity: router`` groups by the router's logits, which the experts do not change: the first sweep
+    reads no expert (``Chunking.reads``), so on two ranks every expert is read once, in its unit, and the
+    bytes are one process's."""
+    step = {"merge_experts": {"ratio": 0.25, "similarity": "router"}}
+    _reads_by_both(*_one_and_two_ranks(tmp_path, model, monkeypatch, [step]), times=1)

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 import yaml
+from rank_helpers import free_port, rank_env
 from safetensors.torch import load_file
-from test_distributed import _env, _port
 from tiny import save_tiny
 
 import moecompress as mc
@@ -48,10 +48,10 @@ sys.exit(main(sys.argv[1:]))
 
 def _two_ranks(recipe, die: bool = False, timeout: int = 300) -> list[subprocess.CompletedProcess]:
     """``moecompress apply`` as ranks 0 and 1 (rank 1 runs ``DIE`` with ``die``)."""
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):
         code = ["-c", DIE] if die and rank == 1 else ["-m", "moecompress.cli"]
-        procs.append(subprocess.Popen([sys.executable, *code, "apply", str(recipe), "--quiet"], env=_env(rank, 2, port),
+        procs.append(subprocess.Popen([sys.executable, *code, "apply", str(recipe), "--quiet"], env=rank_env(rank, 2, port),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     outs = []
     for p in procs:

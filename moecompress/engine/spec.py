@@ -219,6 +219,8 @@ class Chunking:
     gathers its blocks and every rank adds every block's partial in block order
     (:func:`~moecompress.engine.unit_work.gather`), so the total, and the output, are one process's. A
     configuration whose ``pairs(cfg)`` is true sweeps pairs of chunks instead (every rank repeats it).
+    ``reads(cfg) -> bool``: whether the first sweep reads the experts (``None``: always); a configuration
+    whose ``fit`` needs nothing gathered (a merge grouping by the router's logits) skips it: ``fit(None, ...)``.
     ``phased(cfg, units) -> bool``: whether this configuration runs its two phases on a layer held by chunks
     by request (``units`` false) or shared out by units under ``torchrun`` (``units`` true); where it does not,
     its ``prelude`` (it may have one then) is its chunks' value (``None``: always two phases, no prelude).
@@ -262,6 +264,7 @@ class Chunking:
     take: Callable[[Any], dict[str, torch.Tensor]] | None = None
     add: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None
     phased: Callable[[Any, bool], bool] | None = None
+    reads: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select", "group"):

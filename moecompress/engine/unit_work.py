@@ -222,7 +222,8 @@ def _check_group(steps: list, s: int, kept_of: list, idx: int) -> None:
 def gather(lp: LayerPlan, s: int, size: int) -> Any:
     """Step ``s``'s first phase (``Chunking.gather``): every chunk of ``size`` experts of the layer read, the
     earlier ``select`` steps applied, folded in chunk order; then ``Chunking.fit`` once with the layer's
-    statistics: the value every chunk's step reads as ``stats.prelude``. With ``Chunking.pairs``, every pair
+    statistics: the value every chunk's step reads as ``stats.prelude`` (no chunk read when ``Chunking.reads``
+    says so). With ``Chunking.pairs``, every pair
     of chunks instead (:func:`~.pair_sweep.pair_order`). With ``Chunking.take``, by fixed blocks instead
     (:mod:`~moecompress.engine.block_sweep`: under ``torchrun`` each rank gathers its blocks and every rank adds
     all of them in block order); otherwise every rank repeats it under ``torchrun`` (the same fold in the same
@@ -231,7 +232,9 @@ def gather(lp: LayerPlan, s: int, size: int) -> Any:
     where = torch.device(lp.ctx.device) if step.spec.on_device else torch.device("cpu")
     acc: Any = None
     try:
-        if mode.pairs is not None and mode.pairs(step.config):
+        if mode.reads is not None and not mode.reads(step.config):
+            pass  # nothing to gather from the experts: fit from the shell and the statistics
+        elif mode.pairs is not None and mode.pairs(step.config):
             acc = _gather_pairs(lp, s, list(chunks.bounds(lp.shells[0].router.num_experts, size)), where)
         elif mode.take is not None:  # by fixed blocks, shared out over the ranks
             def read(a: int, b: int) -> Any:

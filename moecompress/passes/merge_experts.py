@@ -53,6 +53,7 @@ from moecompress.passes.merge_units import (
     gather_summaries,
     group_workspace,
     merge_units,
+    reads_experts,
     run_unit,
     take_summaries,
     weight_pairs,
@@ -109,7 +110,7 @@ def merge_experts(layer: MoELayer, stats: LayerStats, cfg: MergeExpertsConfig) -
 
 
 CHUNKING = Chunking(
-    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair,
+    "group", merge=merge_units, gather=gather_summaries, pairs=weight_pairs, pair=gather_pair, reads=reads_experts,
     take=take_summaries, add=add_summaries, fit=fit_groups,
     unit=lambda dec, lo, hi, bank, cfg: run_unit(dec, lo, hi, bank, merge_groups, cfg),
     exact=lambda cfg: not weight_pairs(cfg),  # the units give the whole layer's bytes; the weight Gram by pairs: not

@@ -69,6 +69,12 @@ def add_summaries(acc: Summaries | None, part: dict[str, torch.Tensor]) -> Summa
     return acc
 
 
+def reads_experts(cfg: MergeOptions) -> bool:
+    """Whether the first sweep reads the experts (``Chunking.reads``): not when the groups come from the router's
+    logits alone (``similarity: router`` with a fixed number of groups)."""
+    return cfg.similarity != "router" or cfg.target_experts == "auto"
+
+
 def weight_pairs(cfg: MergeOptions) -> bool:
     """Whether the first sweep reads every pair of chunks (``Chunking.pairs``): ``similarity: weight`` groups
     by the experts' weight Gram, whose blocks pair experts of different chunks."""

@@ -46,6 +46,8 @@ Example steps::
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from moecompress.engine.spec import Chunking, LayerStats, PassSpec
@@ -193,7 +195,7 @@ def tdmoe(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELaye
         return layer, {"skipped": "every expert is protected"}
     if two_phase(cfg, len(members)):
         return whole(layer, stats, cfg)
-    return stacked(layer, stats, cfg)
+    return _stacked(layer, stats, cfg)
 
 
 def stacked(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
@@ -201,10 +203,15 @@ def stacked(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELa
     configuration (what :func:`tdmoe` runs when :func:`two_phase` does not apply; the tests' reference for
     the two phases)."""
     _check(layer, cfg)
+    if not one_width_members(layer, "tdmoe", "decomposed")[0]:
+        return layer, {"skipped": "every expert is protected"}
+    return _stacked(layer, stats, cfg)
+
+
+def _stacked(layer: MoELayer, stats: LayerStats, cfg: TdmoeConfig) -> tuple[MoELayer, dict]:
+    """:func:`stacked` on a checked layer with an expert to decompose."""
     bank = layer.experts
     members, dense_ids, live = one_width_members(layer, "tdmoe", "decomposed")
-    if not members:
-        return layer, {"skipped": "every expert is protected"}
     ratio = cfg.ratio if stats.plan is None else float(stats.plan)
     whiteners = projection_whiteners(live_stats(layer, stats, live, cfg), cfg.whitening, cfg.input_form)
     ratios = {p: ratio for p in PROJ}
@@ -255,7 +262,7 @@ def two_phase(cfg: TdmoeConfig, members: int) -> bool:
 def _extras(cfg: TdmoeConfig) -> tuple[str, ...]:
     """tensorly (``decompose``) where a layer may need it: ``hooi``, ``budget: from_structure``, or ``r1`` set
     (below a layer's experts, :func:`two_phase`); the default runs in two phases without it."""
-    return () if cfg.method == "hosvd" and cfg.budget != "from_structure" and cfg.r1 is None else ("decompose",)
+    return () if two_phase(cfg, sys.maxsize) else ("decompose",)  # every layer, whatever its experts
 
 
 def _workspace(layer: MoELayer, cfg: TdmoeConfig) -> int:
