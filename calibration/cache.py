@@ -39,7 +39,9 @@ from moecompress.errors import CacheError
 
 log = logging.getLogger(__name__)
 
-STATS_VERSION = 2
+STATS_VERSION = 3
+"""Bumped when a statistic's bits change: 3, ``down_in_cov_pooled`` summed by fixed blocks of experts
+(``stats.POOLED_BY_BLOCK``)."""
 META = "meta.json"
 
 

@@ -14,7 +14,9 @@ is read once per sweep), every chunk's experts add their weighted partials to th
 accumulators (:func:`~moecompress.reference.expert_partials`, in the whole-layer order, so the sums are
 bit-identical) with the collector's ``on_expert`` for those experts; last, per batch, the shared expert,
 the cast, ``on_output``, and the layer output ``h1_b + moe_b``. Statistics equal the whole layer's bit for
-bit except the sums pooled over experts (``down_in_cov_pooled``: the same float64 terms in another order).
+bit; the sums pooled over experts too (``down_in_cov_pooled``, kept by fixed blocks of experts:
+``stats.POOLED_BY_BLOCK``) when the chunks are unions of blocks, else the same float64 terms in another order
+(``cache.CHUNK_ORDERED``).
 
 **Backward** (reversed layers, the incoming gradient ``g_b`` w.r.t. the layer output): the expert-by-expert
 backward of :mod:`~moecompress.calibration.moe_backward` with chunks outer (``by_chunks``). ``u_b`` is recorded and routed

@@ -20,11 +20,12 @@ owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks
    ``h1_b + moe_b`` for its own batches;
 6. per-expert statistics reach rank 0, which keeps the layer's: spilled covariances
    (``save_experts``) chunk by chunk in chunk order, the other per-expert rows (sums, counts, maxima)
-   expert by expert at the end (:meth:`~moecompress.calibration.stats.StatsCollector.expert_rows`).
+   expert by expert at the end (:meth:`~moecompress.calibration.stats.StatsCollector.expert_rows`), with
+   the rows of the sums kept by blocks of experts (``down_in_cov_pooled``, :data:`BY_BLOCKS`: the chunks
+   are then unions of blocks).
 
-So rank 0's statistics are one process's, bit for bit, for every statistic that does not add several
-experts into one sum (``down_in_cov_pooled``) or need every expert at once (``expert_out_gram``): those
-run data-parallel instead (:func:`shardable`). Traffic per layer and rank: every batch's MoE input once
+So rank 0's statistics are one process's, bit for bit, for every statistic that does not need every expert
+at once (``expert_out_gram``): those run data-parallel instead (:func:`shardable`). Traffic per layer and rank: every batch's MoE input once
 and the weighted outputs of the other ranks' experts (``(N-1)/N`` of ``T·k`` rows of ``H`` fp32). Held
 per rank: its chunk, the layer's shell and attention, every batch's ``u_b``, the fp32 accumulators of the
 batches it finishes, and its own ``h1_b``; the per-expert covariances of its own experts only, except on
@@ -42,11 +43,17 @@ from moecompress.calibration import moe_backward as mb
 from moecompress.calibration.chunked import ChunkedLayer, _flat
 from moecompress.calibration.gather_ahead import GatherAhead
 from moecompress.calibration.skeleton import run_batch, to_device
+from moecompress.calibration.stats import POOLED_BY_BLOCK
 from moecompress.io.shard_format import load_buffer
+from moecompress.ir import fold_block_size
 from moecompress.reference import Term, add_term, expert_terms, shared_forward
 
-NOT_SHARDED = frozenset({"down_in_cov_pooled", "expert_out_gram", "route_attrib"})
+NOT_SHARDED = frozenset({"expert_out_gram", "route_attrib"})
 """Statistics an expert-sharded layer does not give bit for bit: calibration stays data-parallel."""
+
+BY_BLOCKS = frozenset(POOLED_BY_BLOCK)
+"""Statistics summed over experts by fixed blocks (:data:`~moecompress.calibration.stats.POOLED_BY_BLOCK`):
+sharded when the chunks are unions of blocks (:func:`aligned`), each block's row sent by its owner."""
 
 
 UNITS_PER_RANK = 2
@@ -100,9 +107,21 @@ def _aligned(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_buffer(buf).items()}
 
 
-def default_size(ckpt, world: int) -> int:
-    """Experts per chunk of a layer the run does not chunk: ``ceil(E / (N · UNITS_PER_RANK))``."""
-    return -(-int(ckpt.adapter.num_experts) // (world * UNITS_PER_RANK))
+def default_size(ckpt, world: int, needs=()) -> int:
+    """Experts per chunk of a layer the run does not chunk: ``ceil(E / (N · UNITS_PER_RANK))``; where a
+    statistic is summed by blocks of experts (:data:`BY_BLOCKS`), the largest multiple of the block size not
+    above it (one block at least), so that every chunk is a union of blocks."""
+    e = int(ckpt.adapter.num_experts)
+    size = -(-e // (world * UNITS_PER_RANK))
+    if BY_BLOCKS & set(needs):
+        block = fold_block_size(e)
+        size = block * max(1, size // block)
+    return size
+
+
+def aligned(ckpt, size: int) -> bool:
+    """Whether chunks of ``size`` experts are unions of :func:`~moecompress.ir.fold_blocks`' blocks."""
+    return size % fold_block_size(int(ckpt.adapter.num_experts)) == 0 or size >= int(ckpt.adapter.num_experts)
 
 
 def backward_shardable(needs, ckpt, i: int) -> bool:
@@ -112,10 +131,13 @@ def backward_shardable(needs, ckpt, i: int) -> bool:
     return mb.canonical(ckpt, i, needs) and not (set(needs) & mb.NOT_SHARDED)
 
 
-def shardable(needs, on_layer, ckpt, i: int) -> bool:
-    """Whether MoE layer ``i`` can be calibrated with its experts split over the ranks: stock tensors,
-    ``propagate: original`` (no ``on_layer``) and none of :data:`NOT_SHARDED` needed."""
-    return on_layer is None and i not in ckpt.layouts and not (set(needs) & NOT_SHARDED)
+def shardable(needs, on_layer, ckpt, i: int, size: int) -> bool:
+    """Whether MoE layer ``i`` can be calibrated with its experts split over the ranks in chunks of ``size``:
+    stock tensors, ``propagate: original`` (no ``on_layer``), none of :data:`NOT_SHARDED` needed, and chunks
+    that are unions of blocks where a statistic is summed by blocks (:data:`BY_BLOCKS`, :func:`aligned`)."""
+    if on_layer is not None or i in ckpt.layouts or set(needs) & NOT_SHARDED:
+        return False
+    return not (BY_BLOCKS & set(needs)) or aligned(ckpt, size)
 
 
 def _terms_blob(terms: dict[int, list[Term]]) -> bytes:

@@ -22,9 +22,9 @@ import torch
 
 from moecompress.calibration.catalogue import ALWAYS
 from moecompress.calibration.grams import WardOutputs
-from moecompress.calibration.stats_exchange import CollectorExchange
+from moecompress.calibration.stats_exchange import BY_BLOCK, CollectorExchange
 from moecompress.errors import CheckpointError
-from moecompress.ir import MoELayer
+from moecompress.ir import MoELayer, fold_block_size, fold_blocks
 from moecompress.methods.mixture import AUTO_TOKENS
 
 SPILLED = ("expert_in_cov", "down_in_cov")
@@ -32,6 +32,22 @@ SPILLED = ("expert_in_cov", "down_in_cov")
 expert. A layer calibrated by chunks of experts keeps their float64 sums for the current chunk only; once
 its chunk-outer sweep is done they are finished and handed out (:meth:`StatsCollector.spill`) to be
 written apart (``calibration/cache.py``, :func:`~moecompress.calibration.cache.save_experts`)."""
+
+POOLED_BY_BLOCK = BY_BLOCK
+"""Sums over every routed expert, kept by :func:`~moecompress.ir.fold_blocks`' fixed blocks of experts (one row
+per block, ``[blocks, I, I]`` float64): per batch the terms of a block's experts are summed expert by expert and
+added to the block's row once; the layer's sum adds the rows in block order (:func:`pooled_total`). So the
+whole layer, chunks that are unions of blocks, and ranks each holding their chunks' rows
+(:mod:`~moecompress.calibration.expert_sharded`) add the same terms in the same order, bit for bit."""
+
+
+def pooled_total(rows: torch.Tensor) -> torch.Tensor:
+    """A :data:`POOLED_BY_BLOCK` sum's rows ``[blocks, ...]`` added in block order."""
+    total = torch.zeros_like(rows[0])
+    for row in rows:
+        total += row
+    return total
+
 
 IMPLIED = (
     ("expert_out_gram", "io_sample"),
@@ -83,13 +99,10 @@ class StatsCollector(CollectorExchange):
         self._attribution: dict[str, torch.Tensor] = {}
         self._seq: dict[str, list[torch.Tensor]] | None = {} if rounds else None
         """a round's unindexed additions, in order (one per batch and sum)"""
-        self._pool: dict[str, torch.Tensor] = {}
-        """``down_in_cov_pooled``: this batch's terms, summed expert by expert (float64), added to the layer's
-        sum once, at the batch's end (:meth:`on_output`): one addition per batch, so a data-parallel round
-        carries one matrix per batch, not one per expert (600 MB a batch at Qwen3-30B widths)"""
-        self._interleaved = False
-        """the chunked forward visits each batch once per chunk (:meth:`resume_batch`): pooled terms go
-        straight into the layer's sum, chunk by chunk (``cache.CHUNK_ORDERED``)"""
+        self._pool: dict[str, tuple[int, torch.Tensor]] = {}
+        """``down_in_cov_pooled`` by :data:`POOLED_BY_BLOCK`: the batch's terms of the current block of experts
+        (:func:`~moecompress.ir.fold_blocks`), summed expert by expert (float64), added to the block's row of
+        the layer's sum once the batch leaves the block (:meth:`_flush_pool`)"""
         self._spill = spill
         self._apart: dict[str, dict[int, torch.Tensor]] = {}
         self._ward = WardOutputs(layer, self.names)
@@ -121,7 +134,10 @@ class StatsCollector(CollectorExchange):
         self._counts[name][index] += n
 
     def _n_experts(self, name: str) -> int:
-        return self.layer.experts.num_experts if name not in ("shared",) else 1
+        """Rows of the indexed sum ``name``: an expert's, or a block's (:data:`POOLED_BY_BLOCK`)."""
+        if name in POOLED_BY_BLOCK:
+            return len(fold_blocks(self.layer.experts.num_experts))
+        return self.layer.experts.num_experts
 
     def _absmax_update(self, name: str, index: int, size: int, y: torch.Tensor) -> None:
         a = y.detach().abs().float()
@@ -141,6 +157,7 @@ class StatsCollector(CollectorExchange):
 
     # -- Observer --------------------------------------------------------------------------------
     def on_input(self, x: torch.Tensor) -> None:
+        self._flush_pool()  # a batch's partials stay with it (a forward without on_output: moe_forward alone)
         if self.mode == "holdout":
             self._keep("holdout_x", x)
             return
@@ -210,22 +227,37 @@ class StatsCollector(CollectorExchange):
             if "down_in_cov" in self.names:
                 self._add("down_in_cov", c, e)
             if "down_in_cov_pooled" in self.names:
-                if self._interleaved:
-                    self._add("down_in_cov_pooled", c)
-                elif "down_in_cov_pooled" in self._pool:
-                    self._pool["down_in_cov_pooled"] += c.detach().double()
-                else:
-                    self._pool["down_in_cov_pooled"] = c.detach().double()
+                self._pool_add("down_in_cov_pooled", e, c)
 
     def on_shared(self, h: torch.Tensor, y: torch.Tensor) -> None:
         if self.mode == "stats" and {"shared_down_out_absmax", "shared_down_out_argmax"} & self.names:
             self._absmax_update("shared_down_out", 0, 1, y)
 
+    def _pool_add(self, name: str, e: int, c: torch.Tensor) -> None:
+        """Expert ``e``'s term ``c`` of a :data:`POOLED_BY_BLOCK` sum, into the batch's partial of its block."""
+        k = e // fold_block_size(self.layer.experts.num_experts)
+        held = self._pool.get(name)
+        if held is not None and held[0] == k:
+            held[1].add_(c.detach().double())
+            return
+        if held is not None:
+            self._add(name, held[1], held[0])
+        self._pool[name] = (k, c.detach().double())
+
     def _flush_pool(self) -> None:
-        """The batch's pooled terms into the layer's sums: one addition per sum."""
-        for name, v in self._pool.items():
-            self._add(name, v)
+        """The batch's partials of the current blocks into the layer's sums' block rows: one addition per
+        batch and block (a chunk visits a batch's part of a block once; chunks that are unions of blocks
+        give the whole layer's additions)."""
+        for name, (k, v) in self._pool.items():
+            self._add(name, v, k)
         self._pool = {}
+
+    def pooled_rows(self, a: int, b: int) -> tuple[int, int]:
+        """The rows ``[ka, kb)`` of the :data:`POOLED_BY_BLOCK` sums that experts ``[a, b)`` fill: the blocks
+        that start in the range (the range a union of blocks)."""
+        starts = [s for s, _ in fold_blocks(self.layer.experts.num_experts)]
+        inside = [k for k, s in enumerate(starts) if a <= s < b]
+        return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
     def on_output(self, out: torch.Tensor) -> None:
         self._flush_pool()
@@ -243,8 +275,9 @@ class StatsCollector(CollectorExchange):
         return self._off, self._ids, self._weights
 
     def resume_batch(self, state: tuple, x: torch.Tensor) -> None:
-        """Return to a batch of :meth:`batch_state` whose MoE input is ``x`` (no statistic is added)."""
-        self._interleaved = True
+        """Return to a batch of :meth:`batch_state` whose MoE input is ``x`` (no statistic is added; the
+        partials of the batch left are added)."""
+        self._flush_pool()
         self._off, self._ids, self._weights = state
         self._x = x
 
@@ -349,7 +382,7 @@ class StatsCollector(CollectorExchange):
                 for e in range(s.shape[0]):
                     v[e] = (s[e] / per_expert[e].to(s.device)).float().cpu()
             elif name == "down_in_cov_pooled":
-                v = s / max(float(routed.sum()), 1.0)
+                v = pooled_total(s) / max(float(routed.sum()), 1.0)
             elif name == "grad_sq_mean":
                 v = s / grad_routed.to(s.device).view(-1, 1)
             elif name == "down_in_grad_cov_pooled":

@@ -17,6 +17,9 @@ PER_EXPERT = ("act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "expert_out_n
               "down_in_cov", "grad_sq_mean")  # fmt: skip
 """The sums with one row per expert (what :meth:`StatsCollector.expert_rows` moves between ranks)."""
 
+BY_BLOCK = ("down_in_cov_pooled",)
+"""``stats.POOLED_BY_BLOCK``: the sums with one row per block of experts (:func:`~moecompress.ir.fold_blocks`)."""
+
 
 class CollectorExchange:
     """The exchange methods of :class:`~moecompress.calibration.stats.StatsCollector` (its base class)."""
@@ -73,8 +76,12 @@ class CollectorExchange:
         """Rows ``a..b`` of every per-expert sum, count and maximum, as CPU tensors: what the rank that ran
         experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`).
         With ``spill``, the :data:`SPILLED` sums not yet handed out by :meth:`spill` come too (released here):
-        that rank holds only its own experts' covariances."""
+        that rank holds only its own experts' covariances. The rows of the sums pooled by blocks of experts
+        (``stats.POOLED_BY_BLOCK``) of the blocks that start in ``[a, b)`` come too (``p/``)."""
+        self._flush_pool()
         out = {f"s/{k}": v[a:b].cpu().clone() for k, v in self._sums.items() if k in PER_EXPERT}
+        ka, kb = self.pooled_rows(a, b)
+        out |= {f"p/{k}": v[ka:kb].cpu().clone() for k, v in self._sums.items() if k in BY_BLOCK and kb > ka}
         for name, apart in self._apart.items():  # spill=True: the float64 sums of the experts not handed out
             rows = [apart.pop(e, None) for e in range(a, b)]
             if any(r is not None for r in rows):
@@ -90,9 +97,14 @@ class CollectorExchange:
         """Take another rank's :meth:`expert_rows` of experts ``[a, b)`` in place of this collector's own
         (which saw no token of those experts): the rows are copied, so they keep their bits."""
         e = self.layer.experts.num_experts
+        ka, kb = self.pooled_rows(a, b)
         for key, v in part.items():
             kind, _, name = key.partition("/")
-            if kind == "s":
+            if kind == "p":
+                if name not in self._sums:
+                    self._sums[name] = torch.zeros((self._n_experts(name), *v.shape[1:]), dtype=v.dtype)
+                self._sums[name][ka:kb] = v.to(self._sums[name].device)
+            elif kind == "s":
                 if name not in self._sums:
                     self._sums[name] = torch.zeros((e, *v.shape[1:]), dtype=v.dtype)
                 self._sums[name][a:b] = v.to(self._sums[name].device)

@@ -128,7 +128,9 @@ def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], b
                "(down_in_grad_cov_pooled, expert_out_gram_fisher)")  # fmt: skip
     else:
         why = ("the statistics needed cannot be collected with the experts split over ranks "
-               "(down_in_cov_pooled, expert_out_gram) or calibration.parallel is batches")  # fmt: skip
+               "(expert_out_gram; down_in_cov_pooled by chunks that are not unions of the layer's 8 fixed blocks "
+               "of experts: make expert_chunk a multiple of ceil(experts / 8)) or calibration.parallel is "
+               "batches")  # fmt: skip
     if held:
         raise RecipeError(
             f"layers {held} are calibrated by chunks of experts (expert_chunk), but {why}; run one "
@@ -208,7 +210,10 @@ def run_calibration(
     group = ranks if ranks is not None and ranks.world_size > 1 else None
 
     def sharded(i: int) -> bool:
-        return group is not None and shard_experts and expert_sharded.shardable(needs, on_layer, ckpt, i)
+        if group is None or not shard_experts:
+            return False
+        size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size, needs))
+        return expert_sharded.shardable(needs, on_layer, ckpt, i, size)
 
     # under ranks, a sharded layer's per-expert covariances are written chunk by chunk (as expert_chunk's
     # are): rank 0 never holds the layer's, and every cache layout loads the same rows (cache.ExpertRows)
@@ -251,7 +256,7 @@ def run_calibration(
                 store.put(i, hidden)
             apart = base is not None and base.hidden is not None  # the base stream differs from this one
             if i in moe_layers and sharded(i):
-                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
+                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size, needs))
                 outs, col = expert_sharded.forward_layer(skel, i, size, group, hidden, kwargs, batches.holdout, needs,
                                                          sample_tokens, save_experts=save_experts if i in chunks or spilled else None)  # fmt: skip
                 _check_outputs(i, outs)
@@ -365,7 +370,7 @@ def _backward(skel, batches, needs, hidden, kwargs, store, save_backward, progre
         inputs = store.get(i)
         if i in moe_layers and (i in chunks or moe_backward.canonical(ckpt, i, needs)):
             if group is not None and shard_backward(i):
-                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size))
+                size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size, needs))
                 col = expert_sharded.backward_layer(skel, i, size, group, inputs, kwargs, grads, needs, share, sample_tokens)
             elif i in chunks:  # one process (under torchrun a chunked layer is sharded or refused)
                 col = moe_backward.by_chunks(skel, i, chunks[i], inputs, kwargs, grads, needs, sample_tokens)

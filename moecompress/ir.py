@@ -329,3 +329,22 @@ def layer_to(layer: MoELayer, device: torch.device | str) -> MoELayer:
         expert_map=t(layer.expert_map),
         routing_similarity=t(layer.routing_similarity),
     )
+
+
+FOLD_BLOCKS = 8
+"""A layer's experts in this many fixed blocks, whatever the chunk size and the number of ranks, so that a sum
+over experts is added in one order everywhere: a two-phase step's first sweep (``Chunking.take``/``add``,
+:mod:`moecompress.engine.block_sweep`) and calibration's ``down_in_cov_pooled``
+(:class:`~moecompress.calibration.stats.StatsCollector`)."""
+
+
+def fold_blocks(num_experts: int) -> list[tuple[int, int]]:
+    """The blocks ``[(a, b), ...]`` of a layer of ``num_experts`` experts (:data:`FOLD_BLOCKS` of
+    ``ceil(E / FOLD_BLOCKS)`` experts, fewer when ``E`` is small)."""
+    size = fold_block_size(num_experts)
+    return [(a, min(a + size, num_experts)) for a in range(0, num_experts, size)]
+
+
+def fold_block_size(num_experts: int) -> int:
+    """Experts per block of :func:`fold_blocks` (the last block may hold fewer)."""
+    return max(1, -(-num_experts // FOLD_BLOCKS))

@@ -14,8 +14,8 @@ from queue_ranks import QueueRanks
 
 from moecompress.engine.block_sweep import sweep
 from moecompress.engine.distributed import Ranks
-from moecompress.engine.spec import fold_blocks
 from moecompress.errors import MethodError, PassError
+from moecompress.ir import fold_blocks
 
 E = 40
 VALUES = torch.randn(E, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * torch.logspace(

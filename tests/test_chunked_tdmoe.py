@@ -203,7 +203,7 @@ def test_blocks_follow_the_selections():
     """A first sweep by blocks after selections that remove experts: the blocks are the step input's
     (``fold_blocks`` of its experts), read as ranges of the layer's experts (from the kept ids)."""
     from moecompress.engine.block_sweep import blocks, pieces
-    from moecompress.engine.spec import fold_blocks
+    from moecompress.ir import fold_blocks
 
     assert fold_blocks(128) == [(a, a + 16) for a in range(0, 128, 16)]
     assert fold_blocks(60)[-1] == (56, 60) and len(fold_blocks(60)) == 8

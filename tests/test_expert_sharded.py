@@ -130,15 +130,59 @@ def test_a_layer_the_run_does_not_chunk_writes_its_covariances_expert_by_expert_
     _equal(zero, want)
 
 
-def test_statistics_pooled_over_experts_stay_data_parallel_with_the_same_bits(tmp_path):
-    """``down_in_cov_pooled`` adds every expert into one sum and ``expert_out_gram`` needs every expert:
-    those layers run data-parallel (whole layers), so every rank has the statistics; parallel: batches too."""
+def test_statistics_needing_every_expert_stay_data_parallel_with_the_same_bits(tmp_path):
+    """``expert_out_gram`` needs every expert at once: its layers run data-parallel (whole layers), so every
+    rank has the statistics (``down_in_cov_pooled`` by blocks of 1 beside it); parallel: batches too."""
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
     for needs, shard in (({"down_in_cov_pooled", "expert_out_gram"} | ALWAYS, True), (FORWARD, False)):
         want, _ = _calibrate(tmp_path / "m", needs)
         (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", needs, shard=shard)
         _equal(zero, want)
         _equal(one, want)
+
+
+POOLED = {"down_in_cov_pooled", "down_in_cov", "act_sq_mean"} | ALWAYS
+
+
+@pytest.mark.parametrize(("model_type", "chunk"), [("qwen3_moe", None), ("qwen3_moe", 4), ("qwen3_moe", 6),
+                                                   ("deepseek_v3", None), ("deepseek_v3", 2)])  # fmt: skip
+def test_a_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_bits(tmp_path, model_type, chunk):
+    """``down_in_cov_pooled`` (every routed expert's terms in one sum) is summed by the layer's 8 fixed blocks
+    of experts: with 16 experts (blocks of 2), chunks of 4 (the default on 2 ranks), 2 and 6 (unions of
+    blocks, an odd chunk out) give rank 0 one process's statistics bit for bit, each block's row from the rank
+    that ran it; rank 1 keeps nothing; no rank reads a layer whole."""
+    from moecompress.io import checkpoint as cp
+
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2, **{_EXPERTS[model_type]: 16})
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    want, _ = _calibrate(tmp_path / "m", POOLED)
+    assert float(want[1]["down_in_cov_pooled"].abs().sum()) > 0
+    chunks = {} if chunk is None else dict.fromkeys(ckpt.moe_layer_indices, chunk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cp.Checkpoint, "read_layer", lambda self, i, *a, **k: pytest.fail(f"layer {i} read whole"))
+        (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", POOLED, chunks=chunks)
+    _equal(zero, want)
+    assert one == {i: {} for i in want}, "only rank 0 keeps the layer's statistics"
+
+
+def test_chunks_that_split_a_block_refuse_the_pooled_covariance_under_ranks_in_one_line(tmp_path):
+    """Chunks of 3 of 16 experts cut the blocks of 2: the blocks' sums would take another order, so a layer
+    chunked so is refused under ranks (one line naming the fix); one process runs it (its bits differ from the
+    whole layer's in the last places only)."""
+    save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2, num_experts=16)
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    chunks = dict.fromkeys(ckpt.moe_layer_indices, 3)
+    with pytest.raises(RecipeError, match=r"make expert_chunk a multiple of ceil\(experts / 8\)") as err:
+        _calibrate(tmp_path / "m", POOLED, ranks=QueueRanks(0, 2), chunks=chunks)
+    assert "\n" not in str(err.value)
+    whole, _ = _calibrate(tmp_path / "m", POOLED)
+    cut, _ = _calibrate(tmp_path / "m", POOLED, chunks=chunks)
+    for i in ckpt.moe_layer_indices:
+        a, b = cut[i]["down_in_cov_pooled"].double(), whole[i]["down_in_cov_pooled"].double()
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())  # float32 means of float64 sums
+
+
+_EXPERTS = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
 
 
 @pytest.mark.parametrize(
@@ -225,9 +269,16 @@ def test_terms_added_in_expert_order_are_the_partials_bit_for_bit(tmp_path):
 def test_shardable_rules(tmp_path):
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
     ckpt = mc.open_checkpoint(tmp_path / "m")
-    assert expert_sharded.shardable({"expert_in_cov"}, None, ckpt, 0)
-    assert not expert_sharded.shardable({"down_in_cov_pooled"}, None, ckpt, 0)
-    assert not expert_sharded.shardable({"expert_in_cov"}, lambda *a: None, ckpt, 0)
+    assert expert_sharded.shardable({"expert_in_cov"}, None, ckpt, 0, 3)
+    assert expert_sharded.shardable({"down_in_cov_pooled"}, None, ckpt, 0, 3)  # 8 experts: blocks of 1
+    assert not expert_sharded.shardable({"expert_out_gram"}, None, ckpt, 0, 2)
+    assert not expert_sharded.shardable({"expert_in_cov"}, lambda *a: None, ckpt, 0, 2)
+    save_tiny("qwen3_moe", tmp_path / "w", num_hidden_layers=1, num_experts=20)  # blocks of 3, the last of 2
+    wide = mc.open_checkpoint(tmp_path / "w")
+    assert [expert_sharded.shardable({"down_in_cov_pooled"}, None, wide, 0, n) for n in (2, 3, 6, 7, 20)] == [
+        False, True, True, False, True]  # fmt: skip
+    assert [expert_sharded.default_size(wide, n, {"down_in_cov_pooled"}) for n in (1, 2, 3, 4)] == [9, 3, 3, 3]
+    assert [expert_sharded.default_size(wide, n) for n in (1, 2, 3, 4)] == [10, 5, 4, 3]
 
 
 def test_batch_groups_keep_each_gather_within_its_budget():

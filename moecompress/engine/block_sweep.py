@@ -1,4 +1,4 @@
-"""A two-phase step's first sweep by blocks (``Chunking.take``/``add``, :func:`~moecompress.engine.spec.fold_blocks`).
+"""A two-phase step's first sweep by blocks (``Chunking.take``/``add``, :func:`~moecompress.ir.fold_blocks`).
 
 The layer's experts fall into fixed blocks, whatever the chunk size and the number of ranks. Each block is
 read in pieces of at most the chunk size and folded by ``Chunking.gather`` into a partial of its own, which
@@ -22,9 +22,9 @@ from safetensors.torch import save
 
 from moecompress.engine.distributed import Ranks
 from moecompress.engine.resources import release_freed
-from moecompress.engine.spec import fold_blocks
 from moecompress.errors import MoecompressError, PassError
 from moecompress.io.shard_format import load_buffer
+from moecompress.ir import fold_blocks
 
 Read = Callable[[int, int], Any]
 """``read(a, b)``: experts ``[a, b)`` of the step's layer, ``(sub-layer, statistics, first expert)`` or
@@ -39,7 +39,7 @@ def pieces(a: int, b: int, size: int) -> list[tuple[int, int]]:
 def blocks(num_input: int, kept: list[list[int] | None]) -> list[tuple[int, int]]:
     """The blocks of a step whose input has ``num_input`` experts after the selections ``kept`` (each
     earlier step's kept ids, ascending, or ``None``), as ranges of the layer's experts as read: block
-    ``[a, b)`` of the step's input (:func:`~moecompress.engine.spec.fold_blocks`) from the layer's expert
+    ``[a, b)`` of the step's input (:func:`~moecompress.ir.fold_blocks`) from the layer's expert
     that is its expert ``a`` to the one that is its expert ``b`` (the end of the layer for the last)."""
     ids: list[int] | None = None
     for k in kept:

@@ -212,7 +212,7 @@ class Chunking:
     have to run twice on every chunk: the dry run refuses it unless ``calibration.recalibrate: auto``
     starts a new segment at the gathering step (:func:`moecompress.engine.follow.cuts`).
     ``take(acc) -> {name: tensor}`` and ``add(acc, part) -> acc``: a first sweep by *blocks* instead of by
-    chunks: the layer's experts in :func:`fold_blocks`' fixed blocks (independent of the chunk size and of
+    chunks: the layer's experts in :func:`~moecompress.ir.fold_blocks`' fixed blocks (independent of the chunk size and of
     the ranks), each block folded by ``gather`` into a partial of its own that ``take`` hands out (as
     tensors, the partial then cleared; ``{}``: nothing gathered) and ``add`` folds into the layer's total,
     in block order (``acc`` may be ``None``: a rank that gathered nothing yet). Under ``torchrun`` each rank
@@ -287,18 +287,6 @@ class Chunking:
     def phases(self, cfg: Any, units: bool) -> bool:
         """Whether the step runs its two phases (``gather``/``fit``) on a layer held by chunks (``phased``)."""
         return self.gather is not None and (self.phased is None or self.phased(cfg, units))
-
-
-FOLD_BLOCKS = 8
-"""A two-phase step's first sweep by blocks (``Chunking.take``/``add``): the layer's experts in this many
-blocks, whatever the chunk size and the ranks, so that its sums are added in one order everywhere."""
-
-
-def fold_blocks(num_experts: int) -> list[tuple[int, int]]:
-    """The blocks ``[(a, b), ...]`` of a layer of ``num_experts`` experts (:data:`FOLD_BLOCKS` of
-    ``ceil(E / FOLD_BLOCKS)`` experts, fewer when ``E`` is small)."""
-    size = max(1, -(-num_experts // FOLD_BLOCKS))
-    return [(a, min(a + size, num_experts)) for a in range(0, num_experts, size)]
 
 
 def shifted_ids(infos: list[dict], bounds: list[tuple[int, int]], key: str) -> list[int]:

@@ -14,9 +14,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moecompress.engine.spec import LayerStats, PassConfig, fold_blocks, shifted_ids
+from moecompress.engine.spec import LayerStats, PassConfig, shifted_ids
 from moecompress.errors import MethodError, PassError
-from moecompress.ir import ExpertBank, MoELayer
+from moecompress.ir import ExpertBank, MoELayer, fold_blocks
 from moecompress.layouts.dense import Dense
 from moecompress.layouts.ragged import Ragged
 from moecompress.layouts.tucker import Tucker
@@ -104,7 +104,7 @@ def live_stats(layer: MoELayer, stats: LayerStats, live: int, cfg: TdmoeConfig) 
 
 @dataclass
 class Block:
-    """Sums of one block of experts (:func:`~moecompress.engine.spec.fold_blocks`), or of every block folded:
+    """Sums of one block of experts (:func:`~moecompress.ir.fold_blocks`), or of every block folded:
     per projection the lower triangles of ``G_out`` ``[out, out]`` and ``G_in`` ``[in, in]`` (in the work
     dtype, :func:`~moecompress.methods.whitening.gram_lower`), per expert of the step's input, in order,
     ``‖X_e‖²`` (0 for a protected one), and the decomposed experts seen."""
@@ -377,7 +377,7 @@ def phases(sub: MoELayer, cfg: TdmoeConfig) -> tuple[int, int, int]:
     ``s``: the weights'):
 
     - gather: the three projections' Gram matrices ``G = 3·(H² + I²)·b``, twice (the block's and the
-      total: :func:`~moecompress.engine.spec.fold_blocks`), the float64 whiteners
+      total: :func:`~moecompress.ir.fold_blocks`), the float64 whiteners
       ``W = 8·(2·H² + I²)`` and their work-dtype copies ``(2·H² + I²)·b`` (``b = 4``), one expert's
       whitened copies ``3·I·H·b``;
     - fit: ``G``, the whiteners and copies, the eigendecomposition of the largest Gram (``3·H²·b``) and its
