@@ -26,7 +26,8 @@ gradient statistics), its input gradient added to the batch's fp32 ``gu_b`` in e
 batch the shared expert, the router (from the weight gradients) and the recomputed decoder layer
 (``backward([h1_b, u_b], [g_b, gu_b])``), which gives ``x_b``'s gradient, the next layer's ``g``. So the
 gradients and gradient statistics are the bits of the layer held whole (which runs the same backward batch
-by batch), except ``down_in_grad_cov_pooled`` (its float64 terms in another order).
+by batch), ``down_in_grad_cov_pooled`` too when the chunks are unions of its blocks of experts
+(``stats.POOLED_BY_BLOCK``; else its float64 terms in another order).
 
 Held, besides the shell and one chunk: every batch's ``u_b`` and ``h1_b`` and the fp32 accumulators
 (forward), ``u_b`` and fp32 ``gu_b`` (backward); ``engine/resources.py`` counts them.

@@ -53,7 +53,9 @@ NOT_SHARDED = frozenset({"expert_out_gram", "route_attrib"})
 
 BY_BLOCKS = frozenset(POOLED_BY_BLOCK)
 """Statistics summed over experts by fixed blocks (:data:`~moecompress.calibration.stats.POOLED_BY_BLOCK`):
-sharded when the chunks are unions of blocks (:func:`aligned`), each block's row sent by its owner."""
+sharded when the chunks are unions of blocks (:func:`aligned`), each block's row sent by its owner; the
+forward's is ``down_in_cov_pooled``, the backward's ``down_in_grad_cov_pooled``."""
+GRAD_BY_BLOCKS = frozenset({"down_in_grad_cov_pooled"}) & BY_BLOCKS
 
 
 UNITS_PER_RANK = 2
@@ -124,11 +126,14 @@ def aligned(ckpt, size: int) -> bool:
     return size % fold_block_size(int(ckpt.adapter.num_experts)) == 0 or size >= int(ckpt.adapter.num_experts)
 
 
-def backward_shardable(needs, ckpt, i: int) -> bool:
-    """Whether MoE layer ``i``'s streamed backward can run with its experts split over the ranks: the
-    expert-by-expert backward (:func:`~moecompress.calibration.moe_backward.canonical`) and no
-    :data:`~moecompress.calibration.moe_backward.NOT_SHARDED` statistic."""
-    return mb.canonical(ckpt, i, needs) and not (set(needs) & mb.NOT_SHARDED)
+def backward_shardable(needs, ckpt, i: int, size: int) -> bool:
+    """Whether MoE layer ``i``'s streamed backward can run with its experts split over the ranks in chunks of
+    ``size``: the expert-by-expert backward (:func:`~moecompress.calibration.moe_backward.canonical`), no
+    :data:`~moecompress.calibration.moe_backward.NOT_SHARDED` statistic, and chunks that are unions of blocks
+    where a statistic is summed by blocks (:data:`BY_BLOCKS`)."""
+    if not mb.canonical(ckpt, i, needs) or set(needs) & mb.NOT_SHARDED:
+        return False
+    return not (GRAD_BY_BLOCKS & set(needs)) or aligned(ckpt, size)
 
 
 def shardable(needs, on_layer, ckpt, i: int, size: int) -> bool:
@@ -137,7 +142,7 @@ def shardable(needs, on_layer, ckpt, i: int, size: int) -> bool:
     that are unions of blocks where a statistic is summed by blocks (:data:`BY_BLOCKS`, :func:`aligned`)."""
     if on_layer is not None or i in ckpt.layouts or set(needs) & NOT_SHARDED:
         return False
-    return not (BY_BLOCKS & set(needs)) or aligned(ckpt, size)
+    return not ((BY_BLOCKS - GRAD_BY_BLOCKS) & set(needs)) or aligned(ckpt, size)
 
 
 def _terms_blob(terms: dict[int, list[Term]]) -> bytes:

@@ -44,9 +44,10 @@ NOT_CANONICAL = frozenset({"expert_out_gram_fisher", "route_attrib"})
 """Statistics the expert-by-expert backward does not collect (Ward's gradient-weighted sample, the routing
 trace): a layer whose recipe needs one keeps the whole block's autograd graph."""
 
-NOT_SHARDED = NOT_CANONICAL | {"down_in_grad_cov_pooled"}
-"""Statistics the backward with chunks outer does not give bit for bit (a sum over experts, added chunk by
-chunk): under ``torchrun`` such a layer's backward runs data-parallel."""
+NOT_SHARDED = NOT_CANONICAL
+"""Statistics the backward with chunks outer does not give bit for bit: under ``torchrun`` such a layer's
+backward runs data-parallel. (``down_in_grad_cov_pooled``, a sum over experts, is kept by fixed blocks of
+experts, ``stats.POOLED_BY_BLOCK``: chunks that are unions of blocks give its bits.)"""
 
 
 def canonical(ckpt, i: int, needs) -> bool:
@@ -138,8 +139,12 @@ def open_batch(layer, u: torch.Tensor, g: torch.Tensor, col, dev: torch.device, 
 
 
 def chunk_terms(bank: ExpertBank, first: int, p: Pending, col, dev: torch.device) -> list[GradTerm]:
-    """The terms of the experts of ``bank`` (from expert ``first``) for batch ``p``, in expert order."""
-    return list(expert_grad_terms(bank, p.u.to(dev), p, col, first))
+    """The terms of the experts of ``bank`` (from expert ``first``) for batch ``p``, in expert order; ``col``'s
+    partials of the sums pooled by blocks of experts end with them (:meth:`StatsCollector.end_terms`)."""
+    terms = list(expert_grad_terms(bank, p.u.to(dev), p, col, first))
+    if col is not None:
+        col.end_terms()
+    return terms
 
 
 def close_batch(layer, mod, x: torch.Tensor, args: tuple, kw: dict, p: Pending, col, dev: torch.device) -> torch.Tensor:

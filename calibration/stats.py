@@ -244,6 +244,12 @@ class StatsCollector(CollectorExchange):
             self._add(name, held[1], held[0])
         self._pool[name] = (k, c.detach().double())
 
+    def end_terms(self) -> None:
+        """A batch's terms of a chunk of experts are all seen (the streamed backward, whose gradient hooks fire
+        expert by expert: ``moe_backward.chunk_terms``): their partials of the :data:`POOLED_BY_BLOCK` sums are
+        added to the blocks' rows."""
+        self._flush_pool()
+
     def _flush_pool(self) -> None:
         """The batch's partials of the current blocks into the layer's sums' block rows: one addition per
         batch and block (a chunk visits a batch's part of a block once; chunks that are unions of blocks
@@ -332,7 +338,7 @@ class StatsCollector(CollectorExchange):
         if "grad_sq_mean" in self.names:
             self._add("grad_sq_mean", (gf**2).sum(0), e)
         if "down_in_grad_cov_pooled" in self.names:
-            self._add("down_in_grad_cov_pooled", gf.T @ gf)
+            self._pool_add("down_in_grad_cov_pooled", e, gf.T @ gf)
 
     def _on_grad_out(self, g: torch.Tensor) -> None:
         gf = g.detach().float().reshape(-1, g.shape[-1])
@@ -386,7 +392,7 @@ class StatsCollector(CollectorExchange):
             elif name == "grad_sq_mean":
                 v = s / grad_routed.to(s.device).view(-1, 1)
             elif name == "down_in_grad_cov_pooled":
-                v = s / max(float(grad_routed.sum()), 1.0)
+                v = pooled_total(s) / max(float(grad_routed.sum()), 1.0)
             elif name == "out_grad_cov":
                 v = s / max(self._n_grad_tokens, 1)
             else:  # pragma: no cover - every accumulated name is listed above

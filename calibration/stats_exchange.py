@@ -17,7 +17,7 @@ PER_EXPERT = ("act_sq_mean", "expert_in_sq_mean", "expert_in_cov", "expert_out_n
               "down_in_cov", "grad_sq_mean")  # fmt: skip
 """The sums with one row per expert (what :meth:`StatsCollector.expert_rows` moves between ranks)."""
 
-BY_BLOCK = ("down_in_cov_pooled",)
+BY_BLOCK = ("down_in_cov_pooled", "down_in_grad_cov_pooled")
 """``stats.POOLED_BY_BLOCK``: the sums with one row per block of experts (:func:`~moecompress.ir.fold_blocks`)."""
 
 
@@ -29,6 +29,7 @@ class CollectorExchange:
         """This round's contributions (one batch) as CPU tensors, and a fresh start for the next round."""
         if self._attr is not None:  # pragma: no cover - refused before calibration starts
             raise CheckpointError("route_attrib is not collected data-parallel")
+        self._flush_pool()  # the round's last partials of the sums pooled by blocks (a backward's hooks)
         out = {"n/tokens": torch.tensor(self._n_tokens), "n/grad_tokens": torch.tensor(self._n_grad_tokens)}
         out |= {f"s/{k}": v.cpu() for k, v in self._sums.items()}
         out |= {f"q/{k}": torch.stack(v).cpu() for k, v in (self._seq or {}).items()}
@@ -120,6 +121,7 @@ class CollectorExchange:
 
     def merge_backward(self, other: CollectorExchange) -> None:
         """Take the gradient sums of ``other`` (a backward-mode collector of the same layer)."""
+        other._flush_pool()
         for name in ("grad_sq_mean", "out_grad_cov", "down_in_grad_cov_pooled"):
             if name in other._sums:
                 self._sums[name] = other._sums[name]

@@ -125,7 +125,8 @@ def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], b
     if not held and backward_needed(set(needs)):
         held = sorted(i for i in chunks if not shard_backward(i))
         why = ("their streamed backward needs a statistic the ranks cannot collect by chunks of experts bit for bit "
-               "(down_in_grad_cov_pooled, expert_out_gram_fisher)")  # fmt: skip
+               "(expert_out_gram_fisher; down_in_grad_cov_pooled by chunks that are not unions of the layer's 8 "
+               "fixed blocks of experts: make expert_chunk a multiple of ceil(experts / 8))")  # fmt: skip
     else:
         why = ("the statistics needed cannot be collected with the experts split over ranks "
                "(expert_out_gram; down_in_cov_pooled by chunks that are not unions of the layer's 8 fixed blocks "
@@ -220,7 +221,10 @@ def run_calibration(
     spilled = save_experts is not None and bool(set(needs) & set(SPILLED))
 
     def shard_backward(i: int) -> bool:
-        return group is not None and shard_experts and expert_sharded.backward_shardable(needs, ckpt, i)
+        if group is None or not shard_experts:
+            return False
+        size = chunks.get(i, expert_sharded.default_size(ckpt, group.world_size, needs))
+        return expert_sharded.backward_shardable(needs, ckpt, i, size)
 
     if group is not None:
         _check_parallel(needs, chunks, sharded, shard_backward)

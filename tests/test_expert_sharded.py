@@ -144,9 +144,38 @@ def test_statistics_needing_every_expert_stay_data_parallel_with_the_same_bits(t
 POOLED = {"down_in_cov_pooled", "down_in_cov", "act_sq_mean"} | ALWAYS
 
 
+@pytest.fixture
+def block_rows(monkeypatch):
+    """The float64 block rows of every pooled sum finished (``stats.pooled_total``), by thread, in order: the
+    float32 means hide most differences of order in float64 sums."""
+    from moecompress.calibration import stats
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = stats.pooled_total
+
+    def spy(rows):
+        seen.setdefault(threading.current_thread().name, []).append(rows.clone())
+        return real(rows)
+
+    monkeypatch.setattr(stats, "pooled_total", spy)
+    return seen
+
+
+def _same_rows(seen: dict, one: str) -> None:
+    """The pooled rows finished in thread ``one`` (a process, then a rank 0) are one process's bits; no other
+    thread finished any."""
+    main = threading.main_thread().name
+    want, got = seen.pop(one), seen.pop(main)
+    assert not seen, "only rank 0 finishes the layer's statistics"
+    assert len(want) == len(got) > 0
+    for w, g in zip(want, got, strict=True):
+        assert w.dtype == torch.float64 and torch.equal(g, w)
+
+
 @pytest.mark.parametrize(("model_type", "chunk"), [("qwen3_moe", None), ("qwen3_moe", 4), ("qwen3_moe", 6),
                                                    ("deepseek_v3", None), ("deepseek_v3", 2)])  # fmt: skip
-def test_a_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_bits(tmp_path, model_type, chunk):
+def test_a_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_bits(tmp_path, model_type, chunk,
+                                                                                      block_rows):  # fmt: skip
     """``down_in_cov_pooled`` (every routed expert's terms in one sum) is summed by the layer's 8 fixed blocks
     of experts: with 16 experts (blocks of 2), chunks of 4 (the default on 2 ranks), 2 and 6 (unions of
     blocks, an odd chunk out) give rank 0 one process's statistics bit for bit, each block's row from the rank
@@ -155,7 +184,11 @@ def test_a_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_
 
     save_tiny(model_type, tmp_path / "m", num_hidden_layers=2, **{_EXPERTS[model_type]: 16})
     ckpt = mc.open_checkpoint(tmp_path / "m")
-    want, _ = _calibrate(tmp_path / "m", POOLED)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(want=_calibrate(tmp_path / "m", POOLED)[0]), name="one")
+    t.start()
+    t.join()
+    want = out["want"]
     assert float(want[1]["down_in_cov_pooled"].abs().sum()) > 0
     chunks = {} if chunk is None else dict.fromkeys(ckpt.moe_layer_indices, chunk)
     with pytest.MonkeyPatch.context() as mp:
@@ -163,6 +196,7 @@ def test_a_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_
         (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", POOLED, chunks=chunks)
     _equal(zero, want)
     assert one == {i: {} for i in want}, "only rank 0 keeps the layer's statistics"
+    _same_rows(block_rows, "one")
 
 
 def test_chunks_that_split_a_block_refuse_the_pooled_covariance_under_ranks_in_one_line(tmp_path):
@@ -227,21 +261,53 @@ def test_a_rank_reads_only_its_chunks_in_the_backward(tmp_path, monkeypatch):
 
 
 def test_statistics_the_chunks_cannot_give_keep_the_backward_data_parallel_with_the_same_bits(tmp_path):
-    """``down_in_grad_cov_pooled`` (a sum over experts) and ``calibration.parallel: batches``: the backward is
-    data-parallel, layers held whole, batch by batch, with one process's bits; with ``expert_chunk`` it is
-    refused in one line."""
+    """``expert_out_gram_fisher`` (autograd's whole-block backward) and ``calibration.parallel: batches``: the
+    backward is data-parallel, layers held whole, batch by batch, with one process's bits (``down_in_grad_cov_pooled``
+    beside it: its partials of each batch go with that batch's round); with ``expert_chunk`` it is refused in one
+    line."""
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
-    for needs, shard in (({"grad_sq_mean", "down_in_grad_cov_pooled"} | ALWAYS, True), ({"grad_sq_mean"} | ALWAYS, False)):
+    fisher = {"grad_sq_mean", "down_in_grad_cov_pooled", "expert_out_gram_fisher"} | ALWAYS
+    for needs, shard in ((fisher, True), ({"grad_sq_mean", "down_in_grad_cov_pooled"} | ALWAYS, False)):
         want = _calibrate(tmp_path / "m", needs)
         (_, zero, _), (_, one, _) = _two_ranks(tmp_path / "m", needs, shard=shard)
         _equal(zero, want[1])
         _equal(one, want[1])
     chunks = {i: 3 for i in mc.open_checkpoint(tmp_path / "m").moe_layer_indices}
     with pytest.raises(RecipeError, match=r"streamed backward needs a statistic") as err:
-        _calibrate(tmp_path / "m", {"down_in_grad_cov_pooled"} | ALWAYS, ranks=QueueRanks(0, 2), chunks=chunks)
+        _calibrate(tmp_path / "m", fisher, ranks=QueueRanks(0, 2), chunks=chunks)
     assert "\n" not in str(err.value)
     with pytest.raises(RecipeError, match=r"calibration\.parallel is batches"):
         _calibrate(tmp_path / "m", FORWARD, ranks=QueueRanks(0, 2), chunks=chunks, shard=False)
+
+
+@pytest.mark.parametrize(("model_type", "chunk"), [("qwen3_moe", None), ("qwen3_moe", 6), ("deepseek_v3", 2)])
+def test_a_gradient_covariance_pooled_over_experts_is_sharded_by_blocks_with_one_process_bits(tmp_path, model_type,
+                                                                                              chunk, block_rows):  # fmt: skip
+    """``down_in_grad_cov_pooled`` in the streamed backward sharded by experts: 16 experts (blocks of 2), chunks
+    that are unions of blocks; rank 0's gradient statistics are one process's bits, rank 1 keeps none, and no
+    layer is read whole. Chunks of 3 cut the blocks: refused under ranks in one line naming the fix."""
+    from moecompress.io import checkpoint as cp
+
+    save_tiny(model_type, tmp_path / "m", num_hidden_layers=2, **{_EXPERTS[model_type]: 16})
+    ckpt = mc.open_checkpoint(tmp_path / "m")
+    needs = {"grad_sq_mean", "down_in_grad_cov_pooled", "out_grad_cov"} | ALWAYS
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(want=_calibrate(tmp_path / "m", needs)), name="one")
+    t.start()
+    t.join()
+    want = out["want"]
+    assert float(want[1][ckpt.moe_layer_indices[0]]["down_in_grad_cov_pooled"].abs().sum()) > 0
+    chunks = {} if chunk is None else dict.fromkeys(ckpt.moe_layer_indices, chunk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cp.Checkpoint, "read_layer", lambda self, i, *a, **k: pytest.fail(f"layer {i} read whole"))
+        (fwd, bwd, _), (_, other, _) = _two_ranks(tmp_path / "m", needs, chunks=chunks)
+    _equal(fwd, want[0])
+    _equal(bwd, want[1])
+    assert other == {i: {} for i in want[1]}, "only rank 0 keeps the layer's statistics"
+    _same_rows(block_rows, "one")
+    with pytest.raises(RecipeError, match=r"make expert_chunk a multiple of ceil\(experts / 8\)") as err:
+        _calibrate(tmp_path / "m", needs, ranks=QueueRanks(0, 2), chunks=dict.fromkeys(ckpt.moe_layer_indices, 3))
+    assert "\n" not in str(err.value)
 
 
 def test_terms_added_in_expert_order_are_the_partials_bit_for_bit(tmp_path):
