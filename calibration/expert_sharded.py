@@ -22,10 +22,11 @@ owns the batches ``b % N == r`` (as in data-parallel calibration) and the chunks
    (``save_experts``) chunk by chunk in chunk order, the other per-expert rows (sums, counts, maxima)
    expert by expert at the end (:meth:`~moecompress.calibration.stats.StatsCollector.expert_rows`), with
    the rows of the sums kept by blocks of experts (``down_in_cov_pooled``, :data:`BY_BLOCKS`: the chunks
-   are then unions of blocks).
+   are then unions of blocks) and the chunk's experts' outputs on the Ward tokens (``expert_out_gram``: each
+   rank samples its chunks as ``calibration/chunked.py`` does; rank 0 makes the Gram).
 
-So rank 0's statistics are one process's, bit for bit, for every statistic that does not need every expert
-at once (``expert_out_gram``): those run data-parallel instead (:func:`shardable`). Traffic per layer and rank: every batch's MoE input once
+So rank 0's statistics are one process's, bit for bit, for every statistic but the routing trace
+(``route_attrib``), and the layers :func:`shardable` refuses run data-parallel instead. Traffic per layer and rank: every batch's MoE input once
 and the weighted outputs of the other ranks' experts (``(N-1)/N`` of ``T·k`` rows of ``H`` fp32). Held
 per rank: its chunk, the layer's shell and attention, every batch's ``u_b``, the fp32 accumulators of the
 batches it finishes, and its own ``h1_b``; the per-expert covariances of its own experts only, except on
@@ -48,7 +49,7 @@ from moecompress.io.shard_format import load_buffer
 from moecompress.ir import fold_block_size
 from moecompress.reference import Term, add_term, expert_terms, shared_forward
 
-NOT_SHARDED = frozenset({"expert_out_gram", "route_attrib"})
+NOT_SHARDED = frozenset({"route_attrib"})
 """Statistics an expert-sharded layer does not give bit for bit: calibration stays data-parallel."""
 
 BY_BLOCKS = frozenset(POOLED_BY_BLOCK)
@@ -237,6 +238,9 @@ def forward_layer(skel, i: int, size: int, group, hidden: list, kwargs: list, ho
                             terms[b] = list(expert_terms(bank, u, phys[b], states[b][2], col, first))
                     ahead.start(_terms_blob(terms), functools.partial(add, batches, terms))
                     del terms
+                if bank is not None:  # expert_out_gram: the chunk's experts on the Ward tokens (every rank has them)
+                    col.mode = "stats"
+                    col.sample_chunk(first, bank)
                 bank = None
                 if save_experts is not None:
                     ahead.drain()  # point to point next: no gather in flight

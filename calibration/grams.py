@@ -43,6 +43,16 @@ class WardOutputs:
             self._sampled[name] = part.new_zeros(self.layer.experts.num_experts, *part.shape[1:])
         self._sampled[name][first : first + bank.num_experts] = part
 
+    def rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """The sampled outputs of experts ``[a, b)`` (a chunk another rank ran), by statistic."""
+        return {name: v[a:b].clone() for name, v in self._sampled.items()}
+
+    def put_rows(self, a: int, b: int, name: str, rows: torch.Tensor) -> None:
+        """Take another rank's :meth:`rows` of experts ``[a, b)`` for ``name``: copied, the same bits."""
+        if name not in self._sampled:
+            self._sampled[name] = rows.new_zeros(self.layer.experts.num_experts, *rows.shape[1:])
+        self._sampled[name][a:b] = rows
+
     def grams(self, out: dict[str, torch.Tensor], gram_x: torch.Tensor | None, grad_tokens: int) -> dict[str, torch.Tensor]:
         """``expert_out_gram`` (forward: from ``out``'s ``io_sample_x``) and ``expert_out_gram_fisher``
         (backward: from the same tokens' MoE inputs seen again, ``gram_x``, and this sweep's

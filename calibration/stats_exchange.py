@@ -78,11 +78,13 @@ class CollectorExchange:
         experts ``[a, b)`` hands to the rank that keeps the layer's statistics (:meth:`put_expert_rows`).
         With ``spill``, the :data:`SPILLED` sums not yet handed out by :meth:`spill` come too (released here):
         that rank holds only its own experts' covariances. The rows of the sums pooled by blocks of experts
-        (``stats.POOLED_BY_BLOCK``) of the blocks that start in ``[a, b)`` come too (``p/``)."""
+        (``stats.POOLED_BY_BLOCK``) of the blocks that start in ``[a, b)`` come too (``p/``), and the experts'
+        outputs on the Ward tokens sampled for ``expert_out_gram`` (``w/``, ``grams.WardOutputs.rows``)."""
         self._flush_pool()
         out = {f"s/{k}": v[a:b].cpu().clone() for k, v in self._sums.items() if k in PER_EXPERT}
         ka, kb = self.pooled_rows(a, b)
         out |= {f"p/{k}": v[ka:kb].cpu().clone() for k, v in self._sums.items() if k in BY_BLOCK and kb > ka}
+        out |= {f"w/{k}": v for k, v in self._ward.rows(a, b).items()}  # expert_out_gram's sampled outputs
         for name, apart in self._apart.items():  # spill=True: the float64 sums of the experts not handed out
             rows = [apart.pop(e, None) for e in range(a, b)]
             if any(r is not None for r in rows):
@@ -101,7 +103,9 @@ class CollectorExchange:
         ka, kb = self.pooled_rows(a, b)
         for key, v in part.items():
             kind, _, name = key.partition("/")
-            if kind == "p":
+            if kind == "w":
+                self._ward.put_rows(a, b, name, v)
+            elif kind == "p":
                 if name not in self._sums:
                     self._sums[name] = torch.zeros((self._n_experts(name), *v.shape[1:]), dtype=v.dtype)
                 self._sums[name][ka:kb] = v.to(self._sums[name].device)

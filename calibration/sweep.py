@@ -129,7 +129,7 @@ def _check_parallel(needs, chunks: Mapping[int, int], sharded: Callable[[int], b
                "fixed blocks of experts: make expert_chunk a multiple of ceil(experts / 8))")  # fmt: skip
     else:
         why = ("the statistics needed cannot be collected with the experts split over ranks "
-               "(expert_out_gram; down_in_cov_pooled by chunks that are not unions of the layer's 8 fixed blocks "
+               "(down_in_cov_pooled by chunks that are not unions of the layer's 8 fixed blocks "
                "of experts: make expert_chunk a multiple of ceil(experts / 8)) or calibration.parallel is "
                "batches")  # fmt: skip
     if held:

@@ -130,15 +130,27 @@ def test_a_layer_the_run_does_not_chunk_writes_its_covariances_expert_by_expert_
     _equal(zero, want)
 
 
-def test_statistics_needing_every_expert_stay_data_parallel_with_the_same_bits(tmp_path):
-    """``expert_out_gram`` needs every expert at once: its layers run data-parallel (whole layers), so every
-    rank has the statistics (``down_in_cov_pooled`` by blocks of 1 beside it); parallel: batches too."""
+def test_a_gram_of_every_expert_is_sharded_and_parallel_batches_stays_data_parallel(tmp_path):
+    """``expert_out_gram`` (merge budgets) needs every expert's outputs on the Ward tokens: each rank samples its
+    own chunks' experts on them (every rank has the tokens) and hands the rows to rank 0, which makes the Gram
+    as one process does: one process's bits, no layer read whole. ``parallel: batches``: data-parallel, every
+    rank has the statistics."""
+    from moecompress.io import checkpoint as cp
+
     save_tiny("qwen3_moe", tmp_path / "m", num_hidden_layers=2)
-    for needs, shard in (({"down_in_cov_pooled", "expert_out_gram"} | ALWAYS, True), (FORWARD, False)):
-        want, _ = _calibrate(tmp_path / "m", needs)
-        (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", needs, shard=shard)
+    needs = {"down_in_cov_pooled", "expert_out_gram"} | ALWAYS
+    want, _ = _calibrate(tmp_path / "m", needs)
+    assert float(want[1]["expert_out_gram"].abs().sum()) > 0
+    for chunks in ({}, {1: 3}):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cp.Checkpoint, "read_layer", lambda self, i, *a, **k: pytest.fail(f"layer {i} read whole"))
+            (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", needs, chunks=chunks)
         _equal(zero, want)
-        _equal(one, want)
+        assert one == {i: {} for i in want}, "only rank 0 keeps the layer's statistics"
+    want, _ = _calibrate(tmp_path / "m", FORWARD)
+    (zero, _, _), (one, _, _) = _two_ranks(tmp_path / "m", FORWARD, shard=False)
+    _equal(zero, want)
+    _equal(one, want)
 
 
 POOLED = {"down_in_cov_pooled", "down_in_cov", "act_sq_mean"} | ALWAYS
@@ -337,7 +349,8 @@ def test_shardable_rules(tmp_path):
     ckpt = mc.open_checkpoint(tmp_path / "m")
     assert expert_sharded.shardable({"expert_in_cov"}, None, ckpt, 0, 3)
     assert expert_sharded.shardable({"down_in_cov_pooled"}, None, ckpt, 0, 3)  # 8 experts: blocks of 1
-    assert not expert_sharded.shardable({"expert_out_gram"}, None, ckpt, 0, 2)
+    assert expert_sharded.shardable({"expert_out_gram"}, None, ckpt, 0, 2)
+    assert not expert_sharded.shardable({"route_attrib"}, None, ckpt, 0, 2)
     assert not expert_sharded.shardable({"expert_in_cov"}, lambda *a: None, ckpt, 0, 2)
     save_tiny("qwen3_moe", tmp_path / "w", num_hidden_layers=1, num_experts=20)  # blocks of 3, the last of 2
     wide = mc.open_checkpoint(tmp_path / "w")

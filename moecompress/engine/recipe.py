@@ -76,7 +76,7 @@ class CalibrationConfig(BaseModel):
     parallel: Literal["auto", "batches"] = Field(
         "auto",
         description="under torchrun: auto splits each MoE layer's experts over the ranks (each reads and runs only "
-        "its own; data-parallel where a statistic needs every expert: expert_out_gram) | "
+        "its own, the sums over experts by 8 fixed blocks of them) | "
         "batches: every rank holds whole layers and runs its share of the batches; the same statistics either way",
     )
     offload: Literal["auto", "ram", "disk"] = "auto"
