@@ -40,7 +40,8 @@ import yaml
 GiB = 1024**3
 PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio": 0.25}, "identity": {},
           "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}, "namex": {"ratio": 0.25},
-          "merge_experts": {"ratio": 0.25}, "tdmoe": {"ratio": 0.4}, "svd_experts": {"ratio": 0.4}}  # fmt: skip
+          "merge_experts": {"ratio": 0.25}, "tdmoe": {"ratio": 0.4}, "svd_experts": {"ratio": 0.4},
+          "codequant": {"bits": 4, "finetune_steps": 8, "finetune_patience": None}}  # fmt: skip
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
 STAGES = {"distill": {"steps": 4, "batch": 4, "seq_len": 64, "samples": 24, "holdout": 4, "lr": 1e-4,

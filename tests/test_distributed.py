@@ -563,6 +563,19 @@ def test_codequant_kmeans_rotated_sharded_by_experts_is_byte_identical(model):
     _compare_sharded(model, "cqs", steps, served=2 * LOOP_UNITS_PER_RANK)
 
 
+@pytest.mark.slow  # 2 ranks with calibration (~30 s)
+def test_codequant_fine_tuned_by_a_team_of_ranks_is_byte_identical(model):
+    """codequant fine-tuned (every expert against the block's output) after a protection, rotated, with
+    activation quantisation: each layer goes in 2 units worked at the same time (``Chunking.team``), rank 1
+    the second, exchanging their experts' outputs at every step; the output is one process's."""
+    steps = [
+        {"protect_super_experts": {"manual": [{"layer": 1, "experts": [2, 6]}]}},
+        {"codequant": {"bits": 3, "finetune_steps": 3, "finetune_patience": None, "rotation": "hadamard",
+                       "eval_act_bits": 4}},
+    ]  # fmt: skip
+    _compare_sharded(model, "cqt", steps, served=2)
+
+
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
 def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
     """heapr (global plan), expert_prune (a selection on the shell), rtn, every step written; the held-back

@@ -70,6 +70,7 @@ def layer_chunks(
     under ``N > 1`` ranks the command goes out first, and ``balance`` sees the layer's times."""
     bounds = chunks.bounds(lp.shells[0].router.num_experts, size)
     n = ranks.world_size
+    balance = None if lp.team is not None else balance  # a team's unit k is rank k's
     mine = (balance or Balance()).share(len(bounds), n)
     who = owners(len(bounds), n, mine)
     if n > 1:

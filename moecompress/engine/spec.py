@@ -95,6 +95,9 @@ class LayerStats(Mapping[str, torch.Tensor]):
     first: int = 0
     """On a chunk of a layer held by chunks of experts, its first expert in the step's input (both sweeps of a
     two-phase step); ``0`` on a whole layer."""
+    team: Any = None
+    """On a unit of a layer whose units are worked at the same time, one per rank (``Chunking.team``): how
+    the units exchange tensors (:class:`moecompress.engine.team.Team`); ``None`` otherwise."""
 
     def __post_init__(self) -> None:
         names = frozenset(self.tensors) if self.declared is None else self.declared
@@ -114,10 +117,11 @@ class LayerStats(Mapping[str, torch.Tensor]):
         protected: frozenset[int] = frozenset(),
         prelude: Any = None,
         first: int = 0,
+        team: Any = None,
     ) -> LayerStats:
         """The read-only view of ``available`` (a cache entry's layer) holding the statistics ``needs``
         names, with their companion tensors (``io_sample`` -> ``io_sample_x``, ``io_sample_y``)."""
-        return cls(index, available, tensor_names(needs), plan, protected, step, prelude, first)
+        return cls(index, available, tensor_names(needs), plan, protected, step, prelude, first, team)
 
     def _declared(self, name: str) -> None:
         if name not in self.declared:  # type: ignore[operator]
@@ -200,7 +204,13 @@ class Chunking:
     match.
     ``exact(cfg) -> bool``: whether the chunks give the whole layer's bytes (``None``: always). Under
     ``torchrun`` a layer is shared out by chunks only when every step is exact (``expert_chunk: N`` or
-    ``auto`` still chunks the others, by request).
+    ``auto`` still chunks the others, by request), or is a ``team`` step.
+    ``team(cfg) -> bool``: a step that is not exact by chunks worked one after another but is when the
+    chunks are worked at the same time and exchange tensors (``codequant``'s fine-tuning of every expert
+    against the block's output): under ``N > 1`` ranks the layer (not chunked by request) then goes in ``N``
+    units, unit ``k`` on rank ``k``, and each unit's step reads ``stats.team``
+    (:class:`~moecompress.engine.team.Team`) to gather the other units' tensors; its output is the whole
+    layer's (:func:`moecompress.engine.units.unit_size` says when).
 
     ``gather(sub, stats, cfg, acc) -> acc`` and ``fit(acc, shell, stats, cfg) -> value``: an ``expert``
     step in two phases, for what every expert of the layer shapes (``tdmoe``'s shared Tucker factors). In
@@ -265,6 +275,7 @@ class Chunking:
     add: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None
     phased: Callable[[Any, bool], bool] | None = None
     reads: Callable[[Any], bool] | None = None
+    team: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("expert", "select", "group"):

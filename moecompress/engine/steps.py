@@ -18,12 +18,12 @@ from moecompress.ir import MoELayer, layer_to
 
 def step_stats(
     step: Step, index: int, available: Mapping[str, torch.Tensor], *, plan: Any = None,
-    protected: frozenset[int] = frozenset(), prelude: Any = None, first: int = 0,
+    protected: frozenset[int] = frozenset(), prelude: Any = None, first: int = 0, team: Any = None,
 ) -> LayerStats:  # fmt: skip
     """What ``step`` may read of layer ``index``'s statistics: exactly what it declared (``first``: a chunk's
-    first expert in the step's input)."""
+    first expert in the step's input; ``team``: the units worked with it, ``LayerStats.team``)."""
     return LayerStats.view(index, available, step.needs, step=step.label, plan=plan, protected=protected,
-                           prelude=prelude, first=first)  # fmt: skip
+                           prelude=prelude, first=first, team=team)  # fmt: skip
 
 
 def run_step(step: Step, layer: MoELayer, stats: LayerStats) -> tuple[MoELayer, dict]:

@@ -33,6 +33,8 @@ from moecompress.engine.pair_sweep import sweep_pairs
 from moecompress.engine.protection import RENUMBER_KEY
 from moecompress.engine.resources import release_freed
 from moecompress.engine.steps import run_step, step_stats
+from moecompress.engine.team import Team
+from moecompress.engine.units import on_team
 from moecompress.errors import MoecompressError, PassError
 from moecompress.io.checkpoint import Checkpoint
 from moecompress.io.format import encode_bank, is_stock
@@ -98,6 +100,9 @@ class LayerPlan:
     """the per-expert covariances a chunked calibration wrote apart, read chunk by chunk"""
     preludes: dict[int, Any] = field(default_factory=dict)
     """an ``expert`` step's ``Chunking.prelude`` result, computed once for the layer"""
+    team: Any = None
+    """the layer's units worked at the same time, one per rank (:class:`~moecompress.engine.team.Team`), given
+    to each unit's steps as ``stats.team``; ``None``: units worked one after another"""
 
 
 def skeleton(bank: ExpertBank) -> ExpertBank:
@@ -186,7 +191,8 @@ def prepare(
     if entry is not None:
         rows = ExpertRows(entry, idx)
         rows = rows if rows else LayerRows(entry, idx, frozenset(SPILLED))
-    lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, None, rows, preludes)
+    lp = LayerPlan(idx, steps, ckpt, ctx, stats, plans, shells, kept_of, kinds, infos, secs, None, rows, preludes,
+                   Team(ctx.ranks) if on_team(steps, ctx, idx, size) else None)  # fmt: skip
     for s, step in enumerate(steps):
         if step.spec.chunking.phases(step.config, units):
             if size is None:
@@ -339,7 +345,8 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
             pre = lp.preludes.get(s)
             pre = pre.chunk(g0, g0 + n) if hasattr(pre, "chunk") else pre
             st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
-                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre, first=g0)  # fmt: skip
+                            plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre, first=g0,
+                            team=lp.team)  # fmt: skip
             new, info = run_step(step, cur, st)
             new = chunks.as_kind(cur, new, lp.kinds[s])
             if new.router_weight is not cur.router_weight or new.shared is not cur.shared:

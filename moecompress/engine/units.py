@@ -263,17 +263,49 @@ def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int |
     """Experts per unit of MoE layer ``idx`` in the layer loop (``None``: one unit, the whole layer, on
     rank 0): the run's ``expert_chunk`` size, else under ``N > 1`` ranks ``ceil(E / (N · LOOP_UNITS_PER_RANK))``
     when every step can run by chunks with the whole layer's result (``Chunking.exact``), ``calibration.propagate``
-    is not ``compressed`` and a merge comes first (:func:`merge_first`)."""
+    is not ``compressed`` and a merge comes first (:func:`merge_first`); ``ceil(E / N)`` when some step has that
+    result only as a team (:func:`team_size`)."""
     if idx in ctx.expert_chunks:
         return ctx.expert_chunks[idx]
     n, e = ctx.ranks.world_size, int(ckpt.adapter.num_experts)
     if n == 1 or e < 2 or rec.calibration.propagate == "compressed" or not chunkable(rec, ckpt, idx):
         return None
     if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
-        return None  # chunks would change the bytes (codequant's fine-tuning): rank 0 runs the layer whole
+        return team_size(rec, n, e)  # units at once, one per rank (codequant's fine-tuning); else whole on rank 0
     if not merge_first(rec) or follow.gather_conflict(rec.steps, rec.recalibrates, units=True) is not None:
         return None  # a first sweep would read the input's experts, not the earlier step's: whole on rank 0
     return -(-e // (n * LOOP_UNITS_PER_RANK))
+
+
+def team_size(rec: Recipe, world: int, experts: int) -> int | None:
+    """Experts per unit of a layer whose steps are exact by chunks but for ``Chunking.team`` steps, worked
+    at the same time, unit ``k`` by rank ``k`` (:mod:`moecompress.engine.team`): ``ceil(E / N)``, when that
+    makes ``N`` units and no step before a team step selects experts (a rank left without one would miss
+    the exchanges); ``None``: rank 0 runs the layer whole."""
+    size = -(-experts // world)
+    if -(-experts // size) != world or any(
+        st.spec.chunking.mode == "group" or st.spec.chunking.gather is not None for st in rec.steps
+    ):  # two-phase steps and merges keep their own units
+        return None
+    for s, step in enumerate(rec.steps):
+        mode = step.spec.chunking
+        if mode.exact is None or mode.exact(step.config):
+            continue
+        if mode.team is None or not mode.team(step.config):
+            return None
+        if any(o.spec.chunking.mode == "select" and not o.spec.report_only and o.spec.alters_for(o.config)
+               for o in rec.steps[:s]):  # fmt: skip
+            return None
+    return size
+
+
+def on_team(rec_steps: list, ctx: RunContext, idx: int, size: int | None) -> bool:
+    """Whether layer ``idx``'s units (of ``size``) are a team's (:func:`team_size`): under ``N > 1`` ranks, not
+    chunked by request, and some step exact by chunks only as a team."""
+    if ctx.ranks.world_size == 1 or size is None or idx in ctx.expert_chunks:
+        return False
+    return any(s.spec.chunking is not None and s.spec.chunking.exact is not None
+               and not s.spec.chunking.exact(s.config) for s in rec_steps)  # fmt: skip
 
 
 def merge_first(rec: Recipe) -> bool:

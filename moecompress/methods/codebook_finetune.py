@@ -14,6 +14,7 @@ next step's fit forward share one decode (:func:`forward_both`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,42 @@ from moecompress.reference import (
 WeightFn = Callable[[str, str, int], torch.Tensor]
 """``(bank, proj, i) ->`` the weights of the ``i``-th expert of a quantised part (decoded when asked)."""
 _PROJ = ("gate", "up", "down")
+
+class Exchange(Protocol):
+    """The units of one layer's experts fine-tuned at the same time, one per rank (:class:`Solo` alone):
+    :meth:`gather` hands every unit's tensors to every unit, in unit order, which is expert order."""
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]: ...
+
+
+class Solo:
+    """One unit holding every expert of the layer: :meth:`gather` is its own tensors."""
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        return [tensors]
+
+
+def _pairs(got: list[list[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(tokens, rows)`` pairs of every unit's flat ``[tok, y, tok, y, ...]``, in unit order."""
+    for ts in got:
+        yield from zip(ts[::2], ts[1::2])
+
+
+def target(layer: MoELayer, routing: Routing, x: torch.Tensor, team: Exchange) -> torch.Tensor:
+    """The block's output ``[T, H]`` (fp32) on tokens ``x`` as the fine-tuning's objective sums it: every
+    routed expert's weighted output added in expert order (each unit's experts ``layer``, routed by
+    ``routing``, gathered from the units), then the shared expert's. The same bits however the experts are
+    split into units."""
+    mine: list[torch.Tensor] = []
+    for e in range(routing.mask.shape[0]):
+        tok = routing.tokens(e)
+        if len(tok):
+            mine += [tok, expert_forward(layer.experts, e, x[tok]).float() * routing.gates[e, tok, None]]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for tok, y in _pairs(team.gather(mine)):
+        out.index_add_(0, tok, y)
+    return out + shared_forward(layer, x) if layer.shared is not None else out
+
 
 DECODE_VALUES = 1 << 16
 """Weights decoded, or gradients scattered, per block of rows: the block's int64 index (512 KB) stays in
@@ -142,6 +179,7 @@ class _Blocks:
         parts: dict[tuple[str, str], dict],
         x: torch.Tensor,
         routing: Routing | None = None,
+        team: Exchange | None = None,
     ) -> None:
         bank = rotated.experts
         if routing is None:
@@ -167,16 +205,25 @@ class _Blocks:
                 tok, slot = torch.where(phys == e)
                 yield e, tok, weights[tok, slot, None].float()
 
+        self.team = team
         with torch.no_grad():
             const = torch.zeros(x.shape, dtype=torch.float32)
+            others: list[torch.Tensor] = []  # a unit's experts no part covers (with a team): [tok, y, ...]
             for e, tok, w in each():
                 if e in self.pos:
                     self.routes[e] = (tok, w)
-                else:
+                elif team is None:
                     const.index_add_(0, tok, expert_forward(bank, e, x[tok]).float() * w)
+                else:
+                    others += [tok, expert_forward(bank, e, x[tok]).float() * w]
+            if team is not None:  # every unit's, in expert order; and every unit's routed tokens, once
+                for tok, y in _pairs(team.gather(others)):
+                    const.index_add_(0, tok, y)
+                toks = [t for ts in team.gather([t for t, _ in self.routes.values()]) for t in ts]
+                self.all_tok = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long)
             self.shared_gate = None
             self.shared = rotated.shared is not None and any(b == "shared" for b, _ in parts)
-            if routing is not None:  # a chunk's experts: their part of the output only (no shared expert)
+            if routing is not None and team is None:  # a chunk's experts: their part of the output only
                 pass
             elif rotated.shared is not None and not self.shared:
                 const += shared_forward(rotated, x)
@@ -261,7 +308,9 @@ def forward_both(fit: _Blocks | None, val: _Blocks, ws: Decoded) -> tuple[torch.
     """The fit forward of one state (the centroids ``ws``; activations kept for :meth:`_Blocks.backward`)
     and the validation forward of the same state (its float16-rounded centroids, ``ws.rounded``; ``fit``
     ``None``: that one alone), an expert at a time: each expert's weights are decoded once for both. Each
-    block's output is computed with the same operations, in the same order, as on its own."""
+    block's output is computed with the same operations, in the same order, as on its own. With a team
+    (``val.team``), every unit's weighted outputs are gathered (one exchange for both blocks) and added in
+    expert order, so every unit gets the layer's outputs."""
     runs = [(val, ws.rounded, False)] + ([] if fit is None else [(fit, ws, True)])
     outs: dict[int, tuple[list, list]] = {id(blk): ([], []) for blk, _, _ in runs}
     for blk, _, _ in runs:
@@ -272,7 +321,17 @@ def forward_both(fit: _Blocks | None, val: _Blocks, ws: Decoded) -> tuple[torch.
                 tok, y = blk.expert(e, w, keep)
                 outs[id(blk)][0].append(tok)
                 outs[id(blk)][1].append(y)
-    res = [blk.output(*outs[id(blk)], w, keep) for blk, w, keep in runs]
+    if val.team is None:
+        res = [blk.output(*outs[id(blk)], w, keep) for blk, w, keep in runs]
+    else:
+        h = val.x.shape[1]
+        mine = [torch.cat(outs[id(blk)][1]) if outs[id(blk)][1] else torch.zeros(0, h) for blk, _, _ in runs]
+        got = val.team.gather(mine)
+        res = []
+        for i, (blk, w, keep) in enumerate(runs):
+            ys = torch.cat([g[i] for g in got])
+            out = blk.const.index_add(0, blk.all_tok, ys) if len(blk.all_tok) else blk.const.clone()
+            res.append(out + blk.shared_out(w, keep) if blk.shared else out)
     return (res[1] if fit is not None else None), res[0]
 
 
@@ -283,6 +342,20 @@ def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> tuple[to
     h = _hidden(bank, e, gp, up)
     y = h @ wd.T
     return (y + bank.biases["down"][e] if "down" in bank.biases else y), (gp, up, h)
+
+
+def _mean_abs(parts: dict[tuple[str, str], dict], team: Exchange | None) -> dict[tuple[str, str], float]:
+    """Each part's mean |weight| over the layer (its step size's scale): with a team, every unit's float64
+    sums per expert added in expert order (the same bits however the experts are split)."""
+    if team is None:
+        return {k: float(p["w"].abs().mean()) for k, p in parts.items()}
+    keys = sorted(parts)
+    mine = [parts[k]["w"].abs().double().flatten(1).sum(1) for k in keys]
+    mine += [torch.tensor([parts[k]["w"].numel()], dtype=torch.float64) for k in keys]
+    got = team.gather(mine)
+    n = len(keys)
+    return {k: float(torch.cat([g[i] for g in got]).sum()) / float(sum(float(g[n + i]) for g in got))
+            for i, k in enumerate(keys)}  # fmt: skip
 
 
 def part_slice(part: dict) -> tuple:
@@ -305,6 +378,7 @@ def finetune(
     kl_weight: float,
     routing: tuple[Routing, Routing] | None = None,
     patience: int | None = None,
+    team: Exchange | None = None,
 ) -> dict:
     """Centroid fine-tuning (CodeQuant ACCF): Adam on the centroids of ``parts`` (``{(bank, proj): {"w":
     the (rotated) weights [M, out, in] of experts "ids" cut to "live" neurons, "cents", "codes", "scale"
@@ -329,25 +403,41 @@ def finetune(
     ``routing`` (the fit and validation tokens' :class:`Routing`): ``layer`` is a chunk of a layer's
     experts, which minimises the error of its own experts' part of the block's output (``Σ_{e in chunk}``;
     the terms between its experts and the other chunks' are dropped), relative to that part's norm; the
-    router KL is 0."""
+    router KL is 0.
+
+    ``team`` (with ``routing``): ``layer`` is one of the units of a layer's experts fine-tuned at the same
+    time, one per rank, which minimise the whole layer's error together: each unit runs its experts, the
+    weighted outputs are gathered (:class:`Exchange`) and added in expert order, and each unit steps its own
+    centroids (Adam is elementwise). A whole layer without an expert map runs the same way alone
+    (:class:`Solo`), so the units' codebooks are the whole layer's bit for bit. The objective's target
+    (:func:`target`), the step sizes' mean |weight| (float64 sums per expert, in expert order) and the
+    router KL (0: neither the router nor its input changes) are computed so that they do not depend on
+    the split."""
+    if routing is None and layer.expert_map is None:  # the whole layer: a team of one
+        routing, team = (Routing.of(rotated, x_fit), Routing.of(rotated, x_val)), Solo()
     with torch.no_grad():
-        if routing is None:
+        if team is not None:
+            assert routing is not None
+            y_fit, y_val = target(layer, routing[0], x_fit, team), target(layer, routing[1], x_val, team)
+            kl_const = 0.0
+        elif routing is None:
             y_fit, y_val = moe_forward(layer, x_fit).float(), moe_forward(layer, x_val).float()
             kl_const = float(router_kl(layer, rotated, x_fit)) if kl_weight else 0.0
         else:
             y_fit, y_val = routing[0].partial(layer, x_fit), routing[1].partial(layer, x_val)
             kl_const = 0.0
-    fit = _Blocks(rotated, parts, x_fit, None if routing is None else routing[0])
-    val = _Blocks(rotated, parts, x_val, None if routing is None else routing[1])
+    fit = _Blocks(rotated, parts, x_fit, None if routing is None else routing[0], team)
+    val = _Blocks(rotated, parts, x_val, None if routing is None else routing[1], team)
+    scales = _mean_abs(parts, team)
+    if team is not None and len(fit.all_tok) == 0 and not fit.shared:
+        steps = 0  # no routed token reaches a quantised expert of the layer: nothing to fine-tune
 
     codes = {k: p["codes"] for k, p in parts.items()}
     rows = {
         k: p.pop("rows", None) or reassign_rows(p["w"], p["cents"].shape[2], p["scale"]) for k, p in parts.items()
     } if steps else {}  # fmt: skip
     params = {k: p["cents"].float().clone().requires_grad_(True) for k, p in parts.items()}
-    opt = torch.optim.Adam(
-        [{"params": [params[k]], "lr": lr * float(parts[k]["w"].abs().mean())} for k in params]
-    )
+    opt = torch.optim.Adam([{"params": [params[k]], "lr": lr * scales[k]} for k in params])
     first_codes = dict(codes)  # the k-means codes: the working codes of later steps are updated in place
     best: tuple[float, dict, int] | None = None
     fit_first = fit_last = None

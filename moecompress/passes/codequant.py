@@ -53,8 +53,13 @@ cross terms between its experts' errors and the other chunks' (not held) are dro
 its own best step (``best_step_per_chunk``, ``val_error_*_per_chunk`` in the report); the router KL is 0
 as on a whole layer. ``shared: true`` on a layer with a shared expert is refused in the dry run (a chunk
 cannot change the shared expert, which the fine-tuning fits with every routed expert): set ``shared:
-false`` to keep it dense. Under ``torchrun`` a fine-tuned layer runs whole on rank 0 (not byte-identical
-by chunks) unless ``expert_chunk`` asks for chunks.
+false`` to keep it dense. Under ``torchrun`` (``N`` ranks) a fine-tuned layer not chunked by request goes in
+``N`` units worked at the same time (``Chunking.team``, ``stats.team``): every step, each unit runs its own
+experts, the weighted outputs are gathered and added in expert order, and each unit steps its own centroids
+(Adam is elementwise), so the objective is the whole layer's and the bytes are one process's (the whole layer
+is a team of one: its target is the experts' outputs added in expert order, the step sizes' mean |weight|
+float64 sums per expert). Rank 0 still runs the layer whole when a step before it selects experts (a rank
+could be left without one) or the experts do not make ``N`` units.
 
 Statistics: ``io_sample`` (the layer's calibration inputs; raise ``calibration.sample_tokens`` for more
 than 512 tokens). Cost per layer: the rotation (``rotation_steps`` Cayley steps, one ``H × H`` LU each), k-means
@@ -364,7 +369,8 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
         parts[bank_name, name] = {**part, "w": w, "cents": cents, "codes": codes, "scale": scale}
         if rows:
             parts[bank_name, name]["rows"] = rows[0]
-    steps = cfg.finetune_steps if ids or any(b == "shared" for b, _ in parts) else 0
+    team = stats.team  # the layer's units fine-tuned together, one per rank (the whole layer's objective)
+    steps = cfg.finetune_steps if ids or team is not None or any(b == "shared" for b, _ in parts) else 0
     info.update(
         finetune(
             layer,
@@ -377,8 +383,11 @@ def codequant(layer: MoELayer, stats: LayerStats, cfg: CodequantConfig) -> tuple
             kl_weight=cfg.kl_weight,
             routing=routing,
             patience=cfg.finetune_patience,
+            team=team,
         )
     )
+    if team is not None:
+        info["team"] = True  # the errors and steps are the layer's, the same in every unit
     new: dict[str, dict] = {"experts": {}, "shared": {}}
     for (bank_name, name), p in parts.items():
         dense = getattr(getattr(rotated, bank_name), name).dense()
@@ -406,5 +415,6 @@ SPEC = PassSpec(
     chunking=Chunking(
         "expert", merge=merge_codequant, refuse_layer=refuse_shared, prelude=prelude,
         exact=lambda cfg: cfg.finetune_steps == 0,  # fine-tuned by chunks: each chunk's own error
+        team=lambda cfg: cfg.finetune_steps > 0,  # units fine-tuned together: the whole layer's error
     ),
 )  # fmt: skip

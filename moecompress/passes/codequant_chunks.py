@@ -42,7 +42,8 @@ def merge_codequant(infos: list[dict], bnds: list[tuple[int, int]], cfg: PassCon
     """A layer's info from its chunks' (``bnds``: each chunk's ``(a, b)``): the protected ids in the layer's
     numbering, bytes and counts summed (the rotation once), the rotation's report (the layer's, the same
     in every chunk), each chunk's own errors and best step listed (``*_per_chunk``), their means weighted
-    by the chunks' quantised experts, and ``best_step`` the largest."""
+    by the chunks' quantised experts, and ``best_step`` the largest; units fine-tuned together (``team``)
+    report the layer's errors and steps, which every unit has."""
     first = infos[0]
     out: dict = {"protected": shifted_ids(infos, bnds, "protected"), "bits": first["bits"]}
     out.update({k: v for k, v in first.items() if k == "rotation" or k.startswith("act_error")
@@ -52,6 +53,11 @@ def merge_codequant(infos: list[dict], bnds: list[tuple[int, int]], cfg: PassCon
     out["bytes_after"] += first.get("rotation_bytes", 0)
     out["bytes_per_param"] = out["bytes_after"] / out["routed_params"] if out["routed_params"] else 0.0
     n = [i["quantised_experts"] for i in infos]
+    if first.get("team"):  # fine-tuned together (stats.team): the layer's errors and steps, in every unit
+        out.update({k: first.get(k) for k in ("val_error_kmeans", "val_error_final", "fit_loss_first",
+                                              "fit_loss_last", "best_step", "steps_run")})  # fmt: skip
+        out["router_kl"] = 0.0
+        return out
     for key in ("val_error_kmeans", "val_error_final", "fit_loss_first", "fit_loss_last"):
         vals = [i.get(key) for i in infos]
         out[f"{key}_per_chunk"] = vals
