@@ -5,6 +5,7 @@ outputs are byte-identical.
     python benchmarks/distributed.py        # heapr, rtn, expert_prune, rtn data-free; 2 layers, 128 experts
     python benchmarks/distributed.py --passes heapr rtn gptq --parallel auto batches --json OUT.json
     python benchmarks/distributed.py --passes distill --experts 32 --workdir DIR   # FSDP2 training
+    python benchmarks/distributed.py --passes codequant heapr_gptq   # fine-tuned codequant, a chain
 
 The checkpoint: ``qwen3_moe`` with Qwen3-30B-A3B's MoE shapes (hidden 2048, experts of width 768, top-8;
 ``--experts`` of them, 128 by default, 1.2 GB of bf16 expert weights per layer), random weights, a small
@@ -42,6 +43,9 @@ PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio"
           "rtn_data_free": {"bits": 4}, "gptq": {"bits": 4, "group_size": 128}, "namex": {"ratio": 0.25},
           "merge_experts": {"ratio": 0.25}, "tdmoe": {"ratio": 0.4}, "svd_experts": {"ratio": 0.4},
           "codequant": {"bits": 4, "finetune_steps": 8, "finetune_patience": None}}  # fmt: skip
+CHAINS = {"heapr_gptq": [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 64}},
+                         {"gptq": {"bits": 4, "group_size": 128}}]}  # fmt: skip
+"""Benchmark names that run a chain of steps (gptq reads ``down_in_cov`` mapped to heapr's kept neurons)."""
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
 STAGES = {"distill": {"steps": 4, "batch": 4, "seq_len": 64, "samples": 24, "holdout": 4, "lr": 1e-4,
@@ -159,10 +163,11 @@ def measure(
 ) -> dict:
     """One process, then 2 ranks with ``calibration.parallel: mode`` (``auto``: experts sharded; ``batches``:
     data-parallel whole layers); ``twins``: then two one-process runs at once (:func:`launch_twins`)."""
-    row: dict = {"pass": name, "config": cfg, "parallel": mode, "expert_chunk": chunk}
+    row: dict = {"pass": name, "config": CHAINS.get(name, cfg), "parallel": mode, "expert_chunk": chunk}
     digests, curves = {}, {}
     cal = {"source": "none"} if name in DATA_FREE else {**cal, "parallel": mode}
     steps = [{"expert_prune": {"ratio": 0.25}}, {name: cfg}] if name in STAGES else [{DATA_FREE.get(name, name): cfg}]
+    steps = CHAINS.get(name, steps)
     for world in (1, 2):
         rec = {"model": str(model), "output": str(root / f"out-{name}-{world}"), "steps": steps,
                "calibration": {**cal, "cache_dir": str(root / f"cache-{name}-{world}")}}  # fmt: skip
@@ -255,7 +260,7 @@ def main() -> None:
                 spy = Path(args.py_spy) if args.py_spy else None
                 if spy is not None:
                     spy.mkdir(parents=True, exist_ok=True)
-                rows.append(measure(name, {**PASSES, **STAGES}[name], model, root, cal, mode, spy, args.expert_chunk,
+                rows.append(measure(name, {**PASSES, **STAGES, **{k: {} for k in CHAINS}}[name], model, root, cal, mode, spy, args.expert_chunk,
                                     args.twins))  # fmt: skip
             except RuntimeError as err:
                 rows.append({"pass": name, "parallel": mode, "error": str(err)})

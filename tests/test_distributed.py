@@ -577,6 +577,15 @@ def test_codequant_fine_tuned_by_a_team_of_ranks_is_byte_identical(model):
 
 
 @pytest.mark.slow  # 2 ranks with calibration (~25 s)
+@pytest.mark.parametrize("layout", ["uniform", "ragged"])
+def test_heapr_then_gptq_sharded_by_experts_is_byte_identical(model, layout):
+    """heapr then gptq: gptq reads ``down_in_cov`` mapped to the kept neurons, which each unit maps for its own
+    experts (``follow.by_units``), so the layers are shared out by units: one process's bytes."""
+    steps = [{"heapr": {"ratio": 0.25, "layout": layout}}, {"gptq": {"bits": 4, "group_size": 8}}]
+    _compare_sharded(model, "hg" + layout[0], steps, served=2 * LOOP_UNITS_PER_RANK)
+
+
+@pytest.mark.slow  # 2 ranks with calibration (~25 s)
 def test_per_expert_chain_sharded_by_experts_is_byte_identical(model):
     """heapr (global plan), expert_prune (a selection on the shell), rtn, every step written; the held-back
     error sums cross ranks."""

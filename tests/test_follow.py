@@ -110,6 +110,28 @@ def test_the_rules_are_the_dry_runs(model):
         assert ("moe_inputs" in extra) == (rule == "replay"), (case, extra)
 
 
+@pytest.mark.parametrize(
+    ("steps", "units"),
+    [
+        ([{"heapr": {"ratio": 0.25, "layout": "uniform"}}, {"gptq": {"bits": 4}}], True),  # down_in_cov mapped
+        ([{"heapr": {"ratio": 0.25}}, {"neuron_prune": {"ratio": 0.25}}, {"gptq": {"bits": 4}}], True),
+        ([{"heapr": {"ratio": 0.25, "layout": "uniform"}}, {"rtn": {"bits": 4}}], True),  # nothing follows
+        ([{"expert_prune": {"ratio": 0.25}}, {"gptq": {"bits": 4}}], False),  # replayed: the routing changed
+        ([{"heapr": {"ratio": 0.25, "layout": "uniform"}}, {"tdmoe": {"ratio": 0.4}}], False),  # the pooled one
+        ([{"heapr": {"ratio": 0.25, "layout": "uniform"}}, {"codequant": {"bits": 3}}], False),  # re-sampled
+    ],
+)
+def test_statistics_mapped_per_expert_follow_units_of_experts(model, steps, units):
+    """``follow.by_units``: a recipe whose statistics follow the layer only by per-expert maps can be shared
+    out by units under torchrun (each unit maps its own rows); a replay, a re-sample or the pooled map cannot."""
+    from moecompress.engine import follow
+    from moecompress.engine.recipe import load_recipe
+
+    rec = load_recipe(_recipe(model, "/tmp/x", steps))
+    assert follow.by_units(rec.steps) is units
+    assert follow.required(rec.steps) == ("rtn" not in steps[-1])  # rtn reads nothing: nothing follows
+
+
 REFUSED = [
     ([{"namex": {"ratio": 0.25}}, {"heapr": {"scope": "layer"}}], "step 2 (heapr) reads statistic 'grad_sq_mean', "
      "which step 1 (namex) changes"),

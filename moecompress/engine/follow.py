@@ -199,6 +199,29 @@ def extra_needs(steps: Sequence[Any], recalibrate: bool | str = False) -> frozen
     return frozenset(extra)
 
 
+UNIT_MAPPED = NEURON_MAPPED - {"down_in_cov_pooled"}
+"""The mapped statistics a unit of experts maps itself (:func:`by_units`): per expert, so a unit's rows
+mapped are the whole layer's mapping's rows, bit for bit (a copy of the kept neurons' entries)."""
+
+
+def by_units(steps: Sequence[Any], recalibrate: bool | str = False) -> bool:
+    """Whether every statistic of the recipe follows the layer on units of experts: each rule ``keep``, or
+    ``map`` of a per-expert statistic (:data:`UNIT_MAPPED`; :func:`~moecompress.engine.unit_work.chunk_parts`
+    maps a unit's rows after each neuron-subset step). ``heapr → gptq`` does (``down_in_cov`` mapped);
+    a replayed or re-sampled statistic, or the pooled covariance, needs the whole layer."""
+    try:
+        rules = verdicts(steps, recalibrate=recalibrate)
+    except RecipeError:
+        return False
+    return all(v == "keep" or (v == "map" and n in UNIT_MAPPED) for r in rules for n, v in r.items())
+
+
+def mapped_later(steps: Sequence[Any], s: int, recalibrate: bool | str = False) -> set[str]:
+    """The statistics a step after step ``s`` reads mapped (rule ``map``)."""
+    rules = verdicts(steps, recalibrate=recalibrate)
+    return {n for r in rules[s + 1 :] for n, v in r.items() if v == "map"}
+
+
 def required(steps: Sequence[Any], recalibrate: bool | str = False) -> bool:
     """Whether any statistic of the recipe is mapped, recomputed or replayed (the layer is then held
     whole: not by chunks of experts, not sharded over ranks)."""

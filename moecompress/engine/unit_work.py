@@ -25,13 +25,15 @@ from typing import Any
 import torch
 
 from moecompress.calibration.cache import ExpertRows, LayerRows, load_layer
+from moecompress.calibration.mapping import map_neurons
 from moecompress.calibration.stats import SPILLED
-from moecompress.engine import block_sweep, chunks
+from moecompress.engine import block_sweep, chunks, follow
 from moecompress.engine.context import RunContext
 from moecompress.engine.held_back import Errors, ErrPart
 from moecompress.engine.pair_sweep import sweep_pairs
 from moecompress.engine.protection import RENUMBER_KEY
 from moecompress.engine.resources import release_freed
+from moecompress.engine.spec import KEPT_NEURONS
 from moecompress.engine.steps import run_step, step_stats
 from moecompress.engine.team import Team
 from moecompress.engine.units import on_team
@@ -305,17 +307,40 @@ def _gathered_chunk(lp: LayerPlan, s: int, a: int, b: int, where: torch.device):
     return sub, st, g0
 
 
-def _chunk_stats(lp: LayerPlan, step, where, e_s: int, a: int, b: int) -> dict[str, torch.Tensor]:
-    """Experts ``[a, b)``'s statistics for ``step``: the layer file's narrowed, and the rows of the
-    per-expert covariances a chunked calibration wrote apart (read now, for this chunk only)."""
+def _chunk_stats(
+    lp: LayerPlan, step, where, e_s: int, a: int, b: int, mapped: dict[str, torch.Tensor] | None = None,
+    names: set[str] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Experts ``[a, b)``'s statistics for ``step`` (or ``names``): the layer file's narrowed, and the rows
+    of the per-expert covariances a chunked calibration wrote apart (read now, for this chunk only); those
+    the chunk mapped through its neuron-subset steps (``mapped``) in their place."""
     out = chunks.slice_stats(lp.stats[where], e_s, a, b)
-    want = set(step.needs) - set(out)
+    out.update({k: v.to(where) for k, v in (mapped or {}).items()})
+    want = set(step.needs if names is None else names) - set(out)
     if lp.rows and want & set(lp.rows.names):
         if e_s != lp.rows.num_experts:  # the dry run refuses statistics that would have to follow the layer
             raise PassError(f"{step.label}, layer {lp.idx}: its per-expert statistics describe "
                             f"{lp.rows.num_experts} experts, the layer has {e_s}; use expert_chunk: off")  # fmt: skip
         out.update({k: v.to(where) for k, v in lp.rows.rows(a, b, want).items()})
     return out
+
+
+def _map_neurons(
+    lp: LayerPlan, s: int, where, e_s: int, g0: int, n: int, mapped: dict[str, torch.Tensor], kept: list,
+    width: int,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """After neuron-subset step ``s`` on a chunk of ``n`` experts (``kept``: each one's kept neurons), the
+    per-expert statistics later steps read mapped (``follow.mapped_later``; :func:`follow.by_units` allowed no
+    other) mapped as the whole layer maps them (:func:`~moecompress.calibration.mapping.map_neurons`)."""
+    try:
+        names = follow.mapped_later(lp.steps, s) & follow.UNIT_MAPPED
+    except MoecompressError:
+        return mapped
+    if not names:
+        return mapped
+    src = _chunk_stats(lp, lp.steps[s], where, e_s, g0, g0 + n, mapped, names)
+    got = map_neurons({k: src[k] for k in names if k in src}, kept, width, torch.ones(n))
+    return {**mapped, **got}
 
 
 def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[ErrPart | StepPart]:
@@ -325,6 +350,7 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
     dev, host = torch.device(lp.ctx.device), torch.device("cpu")
     cur: MoELayer | None = chunks.sub_layer(lp.shells[0], lp.ckpt.read_experts(idx, a, b), a)
     g0 = a
+    mapped: dict[str, torch.Tensor] = {}  # statistics this chunk mapped to its kept neurons (rows: its experts)
     if lp.err is not None:
         yield lp.err.part(0, cur.experts, g0)
     for s, step in enumerate(steps):
@@ -338,13 +364,16 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
                 cur.experts if lp.kept_of[s] is None else chunks.take(cur.experts, local) if local else None
             )
             new = None if bank is None else chunks.sub_layer(lp.shells[s + 1], bank, g0)
+            if mapped and lp.kept_of[s] is not None and local:
+                rows = torch.as_tensor(local, dtype=torch.long)
+                mapped = {k: v[rows.to(v.device)] for k, v in mapped.items()}
         else:
             where = dev if step.spec.on_device else host
             cur = layer_to(cur, where)
             n, e_s = cur.experts.num_experts, lp.shells[s].router.num_experts
             pre = lp.preludes.get(s)
             pre = pre.chunk(g0, g0 + n) if hasattr(pre, "chunk") else pre
-            st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n),
+            st = step_stats(step, idx, _chunk_stats(lp, step, where, e_s, g0, g0 + n, mapped),
                             plan=chunks.slice_plan(lp.plans[s], e_s, g0, g0 + n), prelude=pre, first=g0,
                             team=lp.team)  # fmt: skip
             new, info = run_step(step, cur, st)
@@ -353,6 +382,8 @@ def chunk_parts(lp: LayerPlan, a: int, b: int, written: set[int]) -> Iterator[Er
                 raise PassError(f"{step.label}, layer {idx}: the step changed the router or the shared expert, "
                                 "which a layer held by chunks of experts cannot follow; use expert_chunk: off")  # fmt: skip
             changed, bound = new is not cur, (g0, g0 + n)
+            if changed and info.get(KEPT_NEURONS) is not None:
+                mapped = _map_neurons(lp, s, where, e_s, g0, n, mapped, info[KEPT_NEURONS], new.experts.width)
         part = StepPart(s, g0, None, time.perf_counter() - t0, info, bound, changed)
         if new is not None:
             part.skeleton = skeleton(new.experts)

@@ -63,10 +63,13 @@ def auto_chunk(
     return size if size is not None and size < layer.experts.num_experts else None
 
 
-def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None = None) -> bool:
+def chunkable(recipe: Recipe, ckpt: Checkpoint, i: int, layer: MoELayer | None = None, units: bool = False) -> bool:
     """Whether MoE layer ``i`` can be held by chunks under ``recipe`` (stock tensors, every step able);
-    ``layer``: its shapes (read from the shard headers when not given)."""
-    if i in ckpt.layouts or follow.required(recipe.steps, recipe.recalibrates):
+    ``layer``: its shapes (read from the shard headers when not given); ``units``: shared out by units under
+    ``torchrun``, where statistics mapped per expert follow the layer too (:func:`follow.by_units`)."""
+    if i in ckpt.layouts:
+        return False
+    if follow.required(recipe.steps, recipe.recalibrates) and not (units and follow.by_units(recipe.steps, recipe.recalibrates)):
         return False
     if follow.gather_conflict(recipe.steps, recipe.recalibrates) is not None or group_conflict(recipe.steps, recipe.recalibrates):
         return False
@@ -268,7 +271,7 @@ def unit_size(rec: Recipe, ckpt: Checkpoint, ctx: RunContext, idx: int) -> int |
     if idx in ctx.expert_chunks:
         return ctx.expert_chunks[idx]
     n, e = ctx.ranks.world_size, int(ckpt.adapter.num_experts)
-    if n == 1 or e < 2 or rec.calibration.propagate == "compressed" or not chunkable(rec, ckpt, idx):
+    if n == 1 or e < 2 or rec.calibration.propagate == "compressed" or not chunkable(rec, ckpt, idx, units=True):
         return None
     if not all(s.spec.chunking.exact is None or s.spec.chunking.exact(s.config) for s in rec.steps):
         return team_size(rec, n, e)  # units at once, one per rank (codequant's fine-tuning); else whole on rank 0
