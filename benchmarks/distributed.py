@@ -44,7 +44,7 @@ PASSES = {"heapr": {"ratio": 0.25}, "rtn": {"bits": 4}, "expert_prune": {"ratio"
           "merge_experts": {"ratio": 0.25}, "tdmoe": {"ratio": 0.4}, "svd_experts": {"ratio": 0.4},
           "codequant": {"bits": 4, "finetune_steps": 8, "finetune_patience": None}}  # fmt: skip
 CHAINS = {"heapr_gptq": [{"heapr": {"ratio": 0.25, "layout": "uniform", "align": 64}},
-                         {"gptq": {"bits": 4, "group_size": 128}}]}  # fmt: skip
+                         {"gptq": {"bits": 4, "group_size": 64}}]}  # fmt: skip
 """Benchmark names that run a chain of steps (gptq reads ``down_in_cov`` mapped to heapr's kept neurons)."""
 DATA_FREE = {"rtn_data_free": "rtn"}
 """Benchmark names that run a pass (the value) with ``calibration.source: none``."""
