@@ -624,8 +624,8 @@ def test_heapr_with_expert_chunk_calibrates_its_backward_by_chunks_over_the_rank
 
 @pytest.mark.slow
 def test_cross_expert_step_runs_whole_on_rank_0_beside_sharded_layers(model):
-    """A layer with tdmoe (needs every expert) runs whole on rank 0 while rank 1 waits (codequant too:
-    ``test_codequant_is_byte_identical``); with expert_chunk: 3 the per-expert rtn layers go by chunks k mod
+    """A layer with tdmoe after expert_prune (its pooled covariance replayed: needs the whole layer) runs whole
+    on rank 0 while rank 1 waits; with expert_chunk: 3 the per-expert rtn layers go by chunks k mod
     2 (rank 1: chunk 1 of 3)."""
     _compare_sharded(model, "cx", [{"expert_prune": {"ratio": 0.25}}, {"tdmoe": {"ratio": 0.4}}], served=0)
     _compare_sharded(model, "c3", [{"rtn": {"bits": 4}}], served=2, expert_chunk=3, calibration=DATA_FREE)

@@ -3,7 +3,7 @@ result at each of its iterations (``Chunking.team``: ``codequant``'s fine-tuning
 output). Unit ``k`` is rank ``k``'s (:func:`moecompress.engine.units.unit_size` makes ``N`` units of the
 layer, :func:`moecompress.engine.shard.layer_chunks` gives rank 0 its default share of one); each unit's step
 reads :class:`Team` as ``stats.team`` and exchanges tensors through it. The method's maths lives apart
-from the engine (:class:`moecompress.methods.codebook_finetune.Exchange`): it sees only :meth:`Team.gather`.
+from the engine (:class:`moecompress.methods.codebook_team.Exchange`): it sees only :meth:`Team.gather`.
 """
 
 from __future__ import annotations

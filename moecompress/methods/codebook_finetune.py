@@ -14,12 +14,12 @@ next step's fit forward share one decode (:func:`forward_both`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moecompress.ir import ExpertBank, MoELayer
+from moecompress.methods.codebook_team import Exchange, Solo, mean_abs, pairs, target
 from moecompress.methods.codebooks import Routing, reassign, reassign_rows
 from moecompress.reference import (
     _hidden,
@@ -35,42 +35,6 @@ from moecompress.reference import (
 WeightFn = Callable[[str, str, int], torch.Tensor]
 """``(bank, proj, i) ->`` the weights of the ``i``-th expert of a quantised part (decoded when asked)."""
 _PROJ = ("gate", "up", "down")
-
-class Exchange(Protocol):
-    """The units of one layer's experts fine-tuned at the same time, one per rank (:class:`Solo` alone):
-    :meth:`gather` hands every unit's tensors to every unit, in unit order, which is expert order."""
-
-    def gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]: ...
-
-
-class Solo:
-    """One unit holding every expert of the layer: :meth:`gather` is its own tensors."""
-
-    def gather(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        return [tensors]
-
-
-def _pairs(got: list[list[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``(tokens, rows)`` pairs of every unit's flat ``[tok, y, tok, y, ...]``, in unit order."""
-    for ts in got:
-        yield from zip(ts[::2], ts[1::2])
-
-
-def target(layer: MoELayer, routing: Routing, x: torch.Tensor, team: Exchange) -> torch.Tensor:
-    """The block's output ``[T, H]`` (fp32) on tokens ``x`` as the fine-tuning's objective sums it: every
-    routed expert's weighted output added in expert order (each unit's experts ``layer``, routed by
-    ``routing``, gathered from the units), then the shared expert's. The same bits however the experts are
-    split into units."""
-    mine: list[torch.Tensor] = []
-    for e in range(routing.mask.shape[0]):
-        tok = routing.tokens(e)
-        if len(tok):
-            mine += [tok, expert_forward(layer.experts, e, x[tok]).float() * routing.gates[e, tok, None]]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for tok, y in _pairs(team.gather(mine)):
-        out.index_add_(0, tok, y)
-    return out + shared_forward(layer, x) if layer.shared is not None else out
-
 
 DECODE_VALUES = 1 << 16
 """Weights decoded, or gradients scattered, per block of rows: the block's int64 index (512 KB) stays in
@@ -217,7 +181,7 @@ class _Blocks:
                 else:
                     others += [tok, expert_forward(bank, e, x[tok]).float() * w]
             if team is not None:  # every unit's, in expert order; and every unit's routed tokens, once
-                for tok, y in _pairs(team.gather(others)):
+                for tok, y in pairs(team.gather(others)):
                     const.index_add_(0, tok, y)
                 toks = [t for ts in team.gather([t for t, _ in self.routes.values()]) for t in ts]
                 self.all_tok = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long)
@@ -344,20 +308,6 @@ def _expert(bank: ExpertBank, e: int, xin: torch.Tensor, wg, wu, wd) -> tuple[to
     return (y + bank.biases["down"][e] if "down" in bank.biases else y), (gp, up, h)
 
 
-def _mean_abs(parts: dict[tuple[str, str], dict], team: Exchange | None) -> dict[tuple[str, str], float]:
-    """Each part's mean |weight| over the layer (its step size's scale): with a team, every unit's float64
-    sums per expert added in expert order (the same bits however the experts are split)."""
-    if team is None:
-        return {k: float(p["w"].abs().mean()) for k, p in parts.items()}
-    keys = sorted(parts)
-    mine = [parts[k]["w"].abs().double().flatten(1).sum(1) for k in keys]
-    mine += [torch.tensor([parts[k]["w"].numel()], dtype=torch.float64) for k in keys]
-    got = team.gather(mine)
-    n = len(keys)
-    return {k: float(torch.cat([g[i] for g in got]).sum()) / float(sum(float(g[n + i]) for g in got))
-            for i, k in enumerate(keys)}  # fmt: skip
-
-
 def part_slice(part: dict) -> tuple:
     """Where a part's quantised weights sit in its bank's dense ``[E, out, in]``: its experts, and their
     first ``live`` neurons (rows of gate/up, columns of down)."""
@@ -428,7 +378,7 @@ def finetune(
             kl_const = 0.0
     fit = _Blocks(rotated, parts, x_fit, None if routing is None else routing[0], team)
     val = _Blocks(rotated, parts, x_val, None if routing is None else routing[1], team)
-    scales = _mean_abs(parts, team)
+    scales = mean_abs(parts, team)
     if team is not None and len(fit.all_tok) == 0 and not fit.shared:
         steps = 0  # no routed token reaches a quantised expert of the layer: nothing to fine-tune
 
